@@ -1,0 +1,385 @@
+"""A simulated TPU cluster: a real multi-node Ray cluster on one machine.
+
+Each simulated TPU host is a real Ray node (its own raylet) started with the
+environment a GKE TPU host has (``TPU_NAME``, ``TPU_WORKER_ID``,
+``TPU_ACCELERATOR_TYPE``, ``TPU_TOPOLOGY``, ``TPU_WORKER_HOSTNAMES``) and the
+``TPU`` resource of its chip count. Ray 2.60's own TPU detection then derives
+the ``accelerator_type:TPU-...`` and ``TPU-<pod type>-head`` resources and the
+``ray.io/tpu-*`` labels exactly as on a real slice; nothing here writes them by
+hand, so whatever passes on the simulator sees the same cluster shape as a real
+one. JAX processes on a host see ``devices_per_host`` CPU devices through
+``--xla_force_host_platform_device_count``.
+
+Example:
+    >>> from rayslice.sim import SimulatedCluster, SliceSpec
+    >>> with SimulatedCluster([SliceSpec("TPU-V4", "2x2x2")]) as sim:  # doctest: +SKIP
+    ...     sim.preempt_host(sim.slice_names[0], 1)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import re
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+from rayslice._deadline import Deadline
+from rayslice.topology import Topology
+
+#: Ray settings that make a killed node be declared dead within ~2 s instead of
+#: the production ~15 s, so preemption tests and recovery benchmarks are quick.
+#: Real clusters keep Ray's defaults; rayslice code never relies on the value.
+_SIM_SYSTEM_CONFIG: dict[str, Any] = {
+    "health_check_initial_delay_ms": 0,
+    "health_check_period_ms": 500,
+    "health_check_timeout_ms": 500,
+    "health_check_failure_threshold": 3,
+}
+
+_SLICE_ARG = re.compile(
+    r"^(?P<gen>[A-Za-z0-9_-]+?):(?P<topo>[0-9xX]+)(?::(?P<cph>\d+))?(?:@(?P<name>[a-z0-9-]+))?$"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class SliceSpec:
+    """One simulated slice to bring up.
+
+    Args:
+        accelerator_type: Any spelling the topology catalog accepts ("TPU-V4", "v6e").
+        topology: The chip shape, e.g. "2x2x2" or "4x4".
+        name: Slice name (``TPU_NAME``); generated when omitted.
+        chips_per_host: Overrides the catalog default (v5e/v6e "2x4" only).
+        cpus_per_host: Logical CPUs each simulated host advertises to Ray.
+
+    Example:
+        >>> SliceSpec.parse("v4:2x2x2").topology_info.num_hosts
+        2
+    """
+
+    accelerator_type: str
+    topology: str
+    name: str | None = None
+    chips_per_host: int | None = None
+    cpus_per_host: int = 2
+
+    def __post_init__(self) -> None:
+        # Validate eagerly: a bad spec must fail before any process starts.
+        self.topology_info  # noqa: B018 - raises ValueError when invalid
+        if self.name is not None and not re.fullmatch(r"[a-z0-9]([a-z0-9-]*[a-z0-9])?", self.name):
+            raise ValueError(
+                f"slice name {self.name!r} is not valid; use lowercase letters, digits and '-'"
+            )
+        if self.cpus_per_host < 1:
+            raise ValueError(f"cpus_per_host={self.cpus_per_host} must be >= 1")
+
+    @property
+    def topology_info(self) -> Topology:
+        """The catalog entry for this slice."""
+        return Topology.parse(self.accelerator_type, self.topology, chips_per_host=self.chips_per_host)
+
+    @classmethod
+    def parse(cls, text: str) -> SliceSpec:
+        """Parses the CLI form ``GEN:TOPOLOGY[:CHIPS_PER_HOST][@NAME]``.
+
+        Example:
+            >>> SliceSpec.parse("v6e:2x4:4@pool-a").name
+            'pool-a'
+        """
+        m = _SLICE_ARG.match(text.strip())
+        if not m:
+            raise ValueError(
+                f"{text!r} is not a slice; expected GEN:TOPOLOGY[:CHIPS_PER_HOST][@NAME], "
+                "e.g. v4:2x2x2, v6e:4x4, v6e:2x4:4@pool-a"
+            )
+        cph = int(m["cph"]) if m["cph"] else None
+        return cls(m["gen"], m["topo"], name=m["name"], chips_per_host=cph)
+
+
+@dataclasses.dataclass
+class SimHost:
+    """One running simulated host (a Ray node)."""
+
+    slice_name: str
+    worker_id: int
+    node: Any  # ray._private.node.Node
+    alive: bool = True
+
+    @property
+    def node_id(self) -> str:
+        return self.node.node_id
+
+
+@dataclasses.dataclass
+class SimSlice:
+    """One running simulated slice."""
+
+    name: str
+    topology: Topology
+    hosts: list[SimHost]
+
+
+def host_environment(slice_name: str, topo: Topology, worker_id: int) -> dict[str, str]:
+    """The environment a GKE TPU host of this slice carries (plus the CPU stand-in).
+
+    Example:
+        >>> env = host_environment("s", Topology.parse("v4", "2x2x2"), 1)
+        >>> env["TPU_WORKER_ID"], env["TPU_ACCELERATOR_TYPE"]
+        ('1', 'v4-16')
+    """
+    hostnames = ",".join(f"{slice_name}-w-{i}" for i in range(topo.num_hosts))
+    return {
+        "TPU_NAME": slice_name,
+        "TPU_WORKER_ID": str(worker_id),
+        "TPU_ACCELERATOR_TYPE": topo.api_accelerator_type,
+        "TPU_TOPOLOGY": topo.name,
+        "TPU_WORKER_HOSTNAMES": hostnames,
+        # The CPU stand-in for the host's chips: one XLA CPU device per TPU device.
+        "JAX_PLATFORMS": "cpu",
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count={topo.devices_per_host}",
+    }
+
+
+@contextlib.contextmanager
+def _patched_environ(env: dict[str, str]) -> Iterator[None]:
+    # Ray resolves a node's resources and labels in the process that starts the
+    # node, from os.environ; patch it only for that call.
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+class SimulatedCluster:
+    """A real multi-node Ray cluster whose worker nodes are simulated TPU hosts.
+
+    The head node holds no TPU. Use as a context manager: the cluster is shut
+    down on exit, on error and on Ctrl-C.
+
+    Args:
+        slices: The slices to start.
+        head_cpus: Logical CPUs of the head node (drivers, Serve, Ray Data).
+        object_store_mb: Object store size of every node, in MiB.
+        connect: Connect this process's ``ray`` to the cluster on start.
+        include_dashboard: Start Ray's dashboard (needed for metrics scraping).
+        dashboard_port: Explicit dashboard port (0 lets the OS choose).
+        metrics_export_port: Explicit Prometheus port of the head node.
+        temp_dir: Root for Ray's session files; a private temp dir by default.
+        log_to_driver: Forward worker logs to this process.
+        clock: Monotonic clock, injectable for tests.
+
+    Example:
+        >>> with SimulatedCluster([SliceSpec("v4", "2x2x2", name="a")]) as sim:  # doctest: +SKIP
+        ...     print(sim.address, sim.startup_s)
+    """
+
+    def __init__(
+        self,
+        slices: Sequence[SliceSpec] = (),
+        *,
+        head_cpus: int = 2,
+        object_store_mb: int = 100,
+        connect: bool = True,
+        include_dashboard: bool = False,
+        dashboard_port: int = 0,
+        metrics_export_port: int | None = None,
+        temp_dir: str | None = None,
+        log_to_driver: bool = False,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if object_store_mb < 80:
+            raise ValueError(f"object_store_mb={object_store_mb} is below Ray's minimum of 80")
+        self._specs = list(slices)
+        self._head_cpus = head_cpus
+        self._store_bytes = object_store_mb * 1024 * 1024
+        self._connect = connect
+        self._include_dashboard = include_dashboard
+        self._dashboard_port = dashboard_port
+        self._metrics_export_port = metrics_export_port
+        self._own_temp = temp_dir is None
+        self._temp_dir = temp_dir
+        self._log_to_driver = log_to_driver
+        self._clock = clock
+        self._cluster: Any = None
+        self._slices: dict[str, SimSlice] = {}
+        self._counter = 0
+        self.startup_s: float | None = None
+
+    # -- lifecycle -----------------------------------------------------
+    def start(self) -> SimulatedCluster:
+        """Starts the head and every slice; returns self."""
+        import ray
+        from ray.cluster_utils import Cluster
+
+        if self._cluster is not None:
+            raise RuntimeError("SimulatedCluster already started")
+        names = [s.name for s in self._specs if s.name]
+        if len(names) != len(set(names)):
+            raise ValueError(f"duplicate slice names in {names}")
+        t0 = self._clock()
+        if self._temp_dir is None:
+            # Short path: Ray's unix sockets live under it (107-char limit).
+            self._temp_dir = tempfile.mkdtemp(prefix="rs-", dir="/tmp")
+        # Ray writes the current-cluster address file under $RAY_TMPDIR/ray.
+        os.makedirs(os.path.join(self._temp_dir, "ray"), exist_ok=True)
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        head_args: dict[str, Any] = dict(
+            num_cpus=self._head_cpus,
+            object_store_memory=self._store_bytes,
+            temp_dir=self._temp_dir,
+            include_dashboard=self._include_dashboard,
+            dashboard_host="127.0.0.1",
+            dashboard_port=self._dashboard_port if self._include_dashboard else None,
+            _system_config=_SIM_SYSTEM_CONFIG,
+        )
+        if self._metrics_export_port is not None:
+            head_args["metrics_export_port"] = self._metrics_export_port
+        try:
+            with _patched_environ({"RAY_TMPDIR": self._temp_dir}):
+                self._cluster = Cluster(initialize_head=True, head_node_args=head_args)
+            for spec in self._specs:
+                self._start_slice(spec)
+            if self._connect:
+                ray.init(address=self.address, log_to_driver=self._log_to_driver)
+        except BaseException:
+            self.shutdown()
+            raise
+        self.startup_s = self._clock() - t0
+        return self
+
+    def shutdown(self) -> None:
+        """Stops every node and removes the session files. Idempotent."""
+        import ray
+
+        if ray.is_initialized():
+            ray.shutdown()
+        if self._cluster is not None:
+            with contextlib.suppress(Exception):
+                self._cluster.shutdown()
+            self._cluster = None
+        if self._own_temp and self._temp_dir:
+            shutil.rmtree(self._temp_dir, ignore_errors=True)
+            self._temp_dir = None
+        self._slices.clear()
+
+    def __enter__(self) -> SimulatedCluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # -- state ----------------------------------------------------------
+    @property
+    def address(self) -> str:
+        """The GCS address to pass to ``ray.init(address=...)``."""
+        if self._cluster is None:
+            raise RuntimeError("SimulatedCluster is not running")
+        return self._cluster.address
+
+    @property
+    def dashboard_url(self) -> str | None:
+        """The dashboard URL, when the dashboard was started."""
+        return self._cluster.webui_url if self._cluster is not None else None
+
+    @property
+    def slices(self) -> dict[str, SimSlice]:
+        """The running slices by name (hosts that were preempted have alive=False)."""
+        return dict(self._slices)
+
+    @property
+    def slice_names(self) -> list[str]:
+        return list(self._slices)
+
+    @property
+    def num_hosts(self) -> int:
+        """Alive simulated hosts."""
+        return sum(h.alive for s in self._slices.values() for h in s.hosts)
+
+    # -- changes (a node pool's life) --------------------------------------
+    def add_slice(self, spec: SliceSpec) -> str:
+        """Brings up a new slice, as a node pool recreating one; returns its name."""
+        if self._cluster is None:
+            raise RuntimeError("SimulatedCluster is not running")
+        return self._start_slice(spec).name
+
+    def preempt_host(self, slice_name: str, worker_id: int, *, timeout_s: float = 30.0) -> None:
+        """Kills one host's node abruptly, as a preempted VM dies.
+
+        Returns once Ray's control plane has declared the node dead.
+        """
+        host = self._host(slice_name, worker_id)
+        self._kill([host], timeout_s)
+
+    def preempt_slice(self, slice_name: str, *, timeout_s: float = 30.0) -> None:
+        """Kills every host of a slice abruptly (a whole-slice preemption)."""
+        s = self._slice(slice_name)
+        self._kill([h for h in s.hosts if h.alive], timeout_s)
+
+    # -- internals --------------------------------------------------------
+    def _slice(self, name: str) -> SimSlice:
+        if name not in self._slices:
+            raise ValueError(f"no slice {name!r}; slices: {', '.join(self._slices) or 'none'}")
+        return self._slices[name]
+
+    def _host(self, slice_name: str, worker_id: int) -> SimHost:
+        s = self._slice(slice_name)
+        if not 0 <= worker_id < len(s.hosts):
+            raise ValueError(
+                f"worker_id {worker_id} is not in slice {slice_name!r}; valid: 0..{len(s.hosts) - 1}"
+            )
+        host = s.hosts[worker_id]
+        if not host.alive:
+            raise ValueError(f"host {worker_id} of slice {slice_name!r} is already down")
+        return host
+
+    def _new_name(self, topo: Topology) -> str:
+        while True:
+            name = f"{topo.pod_type}-{self._counter}"
+            self._counter += 1
+            if name not in self._slices:
+                return name
+
+    def _start_slice(self, spec: SliceSpec) -> SimSlice:
+        topo = spec.topology_info
+        name = spec.name or self._new_name(topo)
+        if name in self._slices:
+            raise ValueError(f"slice {name!r} already exists")
+        sim_slice = SimSlice(name=name, topology=topo, hosts=[])
+        self._slices[name] = sim_slice
+        for worker_id in range(topo.num_hosts):
+            env = host_environment(name, topo, worker_id)
+            with _patched_environ(env):
+                node = self._cluster.add_node(
+                    num_cpus=spec.cpus_per_host,
+                    resources={"TPU": topo.chips_per_host},
+                    object_store_memory=self._store_bytes,
+                    temp_dir=self._temp_dir,
+                    env_vars=env,
+                )
+            sim_slice.hosts.append(SimHost(name, worker_id, node))
+        return sim_slice
+
+    def _kill(self, hosts: list[SimHost], timeout_s: float) -> None:
+        import ray
+
+        for host in hosts:
+            self._cluster.remove_node(host.node, allow_graceful=False)
+            host.alive = False
+        dead = {h.node_id for h in hosts}
+        deadline = Deadline(timeout_s, clock=self._clock)
+        while True:
+            alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]} if ray.is_initialized() else set()
+            if not dead & alive:
+                return
+            deadline.sleep_or_raise(0.1, f"nodes {sorted(dead & alive)} still alive after kill")

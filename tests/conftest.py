@@ -1,0 +1,65 @@
+"""Shared fixtures: one simulated TPU cluster for the whole test session.
+
+Starting Ray costs seconds of CPU on a 2-core machine, so every test that
+needs Ray shares one ``SimulatedCluster`` of two v4 ``2x2x2`` slices
+(``slice-a`` and ``slice-b``, 2 hosts x 4 chips each). Tests that break hosts
+add their own slices first and never touch those two.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import pytest
+
+from rayslice.sim import SimulatedCluster, SliceSpec
+
+SLICE_A, SLICE_B = "slice-a", "slice-b"
+
+
+@pytest.fixture(scope="session")
+def sim() -> Iterator[SimulatedCluster]:
+    cluster = SimulatedCluster(
+        [SliceSpec("TPU-V4", "2x2x2", name=SLICE_A), SliceSpec("TPU-V4", "2x2x2", name=SLICE_B)],
+        head_cpus=2,
+    )
+    cluster.start()
+    try:
+        yield cluster
+    finally:
+        cluster.shutdown()
+
+
+@pytest.fixture
+def ray_cluster(sim: SimulatedCluster) -> Iterator[SimulatedCluster]:
+    """The session cluster, checked to hold no rayslice placement group after each test."""
+    yield sim
+    assert live_groups() == [], "a test left placement groups behind"
+
+
+def live_groups(prefix: str = "") -> list[str]:
+    """Names of placement groups that are not removed."""
+    import ray
+
+    return sorted(
+        g["name"] for g in ray.util.placement_group_table().values()
+        if g["state"] != "REMOVED" and g["name"].startswith(prefix)
+    )
+
+
+@contextlib.contextmanager
+def busy_host(slice_name: str, worker_id: int, chips: float = 4) -> Iterator[None]:
+    """Holds chips of one host with a placement group, as another job would."""
+    import ray
+
+    pg = ray.util.placement_group(
+        [{"TPU": chips}],
+        name=f"blocker:{slice_name}:{worker_id}",
+        bundle_label_selector=[{"ray.io/tpu-slice-name": slice_name, "ray.io/tpu-worker-id": str(worker_id)}],
+    )
+    try:
+        ray.get(pg.ready(), timeout=30)
+        yield
+    finally:
+        ray.util.remove_placement_group(pg)
