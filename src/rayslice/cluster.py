@@ -23,6 +23,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -142,6 +143,15 @@ def _host_record(node: Mapping[str, Any], available: Mapping[str, Mapping[str, f
     )
 
 
+@functools.lru_cache(maxsize=1024)
+def _expected_hosts(accel: str, topo_name: str, chips: int) -> tuple[int | None, str | None]:
+    # Cached: a cluster has few distinct shapes but may have thousands of slices.
+    try:
+        return Topology.parse(accel, topo_name, chips_per_host=chips or None).num_hosts, None
+    except ValueError as e:
+        return None, str(e)
+
+
 def _build_slice(name: str, records: list[tuple[Mapping[str, Any], HostInfo]]) -> SliceInfo:
     # Prefer the labels of alive nodes: a dead node may predate a pool change.
     records.sort(key=lambda r: (not r[1].alive, r[1].worker_id))
@@ -154,13 +164,9 @@ def _build_slice(name: str, records: list[tuple[Mapping[str, Any], HostInfo]]) -
         by_worker.setdefault(host.worker_id, host)  # alive ones come first
     hosts = tuple(by_worker[w] for w in sorted(by_worker))
     chips = max((int(h.chips_total) for h in hosts if h.chips_total), default=0)
-    problem = None
-    expected = len(hosts)
-    try:
-        topo = Topology.parse(accel, topo_name, chips_per_host=chips or None)
-        expected = topo.num_hosts
-    except ValueError as e:
-        problem = str(e)
+    expected, problem = _expected_hosts(accel, topo_name, chips)
+    if expected is None:
+        expected = len(hosts)
     missing = tuple(w for w in range(expected) if w not in by_worker)
     return SliceInfo(
         name=name,
