@@ -9,6 +9,12 @@ add their own slices first and never touch those two.
 from __future__ import annotations
 
 import contextlib
+import os
+
+# Tests that use JAX in this process see 4 CPU devices, like one simulated host.
+# Set before anything imports JAX; Ray worker processes get their own settings.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 from collections.abc import Iterator
 
 import pytest

@@ -6,6 +6,7 @@ Example:
     4
 """
 
+from rayslice import data
 from rayslice.cluster import HostInfo, SliceInfo, list_slices, parse_slices
 from rayslice.errors import (
     GangError,
@@ -16,6 +17,7 @@ from rayslice.errors import (
     ReservationTimeout,
     classify,
 )
+from rayslice.data import batch_predict, iter_jax_batches
 from rayslice.gang import HostContext, SliceGang, host_context, run_on_slice
 from rayslice.placement import (
     ReservedHost,
@@ -51,10 +53,13 @@ __all__ = [
     "SliceSpec",
     "SliceVerdict",
     "Topology",
+    "batch_predict",
     "classify",
+    "data",
     "explain",
     "generation",
     "host_context",
+    "iter_jax_batches",
     "list_slices",
     "parse_slices",
     "plan",

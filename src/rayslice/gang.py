@@ -135,6 +135,13 @@ class _HostProcess:
     def call(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         return fn(*args, **kwargs)
 
+    def call_split(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[Any, Any]:
+        # ``fn`` returns (summary, payload) and Ray stores them as two objects:
+        # the caller fetches the small summary and can hand the payload on
+        # (e.g. to Ray Data) without pulling it to the driver.
+        summary, payload = fn(*args, **kwargs)
+        return summary, payload
+
 
 def _ordered_get(refs: Sequence[Any], deadline: Deadline, what: str) -> list[Any]:
     """ray.get over refs in rank order, raising at the first failure (no waiting on the rest)."""
@@ -232,6 +239,21 @@ class SliceGang:
     def run_async(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
         """Starts ``fn(*args, **kwargs)`` on every host; returns the refs in rank order."""
         return [a.call.remote(fn, args, kwargs) for a in self.actors]
+
+    def run_each(self, fn: Callable[..., tuple[Any, Any]], args_per_rank: Sequence[tuple], *,
+                 timeout_s: float | None = None) -> tuple[list[Any], list[Any]]:
+        """Runs ``fn(*args_per_rank[rank])`` on each host; ``fn`` returns ``(summary, payload)``.
+
+        Returns the summaries (fetched) and refs to the payloads, in rank
+        order. Payloads stay in the object store, owned by the driver, so they
+        outlive the gang. Raises like :meth:`run` on failure.
+        """
+        if len(args_per_rank) != len(self.actors):
+            raise ValueError(f"{len(args_per_rank)} argument tuples for {len(self.actors)} hosts")
+        pairs = [a.call_split.options(num_returns=2).remote(fn, tuple(args), {})
+                 for a, args in zip(self.actors, args_per_rank)]
+        summaries = _ordered_get([s for s, _ in pairs], Deadline(timeout_s), getattr(fn, "__name__", "fn"))
+        return summaries, [payload for _, payload in pairs]
 
     def run(self, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None, **kwargs: Any) -> list[Any]:
         """Runs ``fn`` once per host (SPMD) and returns the results in rank order.

@@ -1,0 +1,193 @@
+"""iter_jax_batches in one process with 4 CPU devices: exactness, policies, sharding, resume."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+jax = pytest.importorskip("jax")
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+
+from rayslice.data import RaggedBatchError, iter_jax_batches  # noqa: E402
+
+
+def chunks(n: int, sizes=(7, 3, 11, 1)):
+    """n rows of (id, x) cut into uneven source batches."""
+    out, start, i = [], 0, 0
+    while start < n:
+        size = min(sizes[i % len(sizes)], n - start)
+        ids = np.arange(start, start + size)
+        out.append({"id": ids, "x": np.stack([ids, -ids], axis=1).astype(np.float64)})
+        start += size
+        i += 1
+    return out
+
+
+def ids_of(batches, mask_key="mask"):
+    seen = []
+    for b in batches:
+        ids = np.asarray(b["id"])
+        if mask_key in b:
+            ids = ids[np.asarray(b[mask_key])]
+        seen.extend(ids.tolist())
+    return seen
+
+
+def test_four_devices():
+    assert jax.device_count() == 4
+
+
+@pytest.mark.parametrize("ragged", ["drop", "pad"])
+def test_every_row_once_in_order(ragged):
+    n = 103
+    batches = list(iter_jax_batches(chunks(n), batch_size=8, ragged=ragged))
+    seen = ids_of(batches)
+    expected = list(range(n)) if ragged == "pad" else list(range(96))
+    assert seen == expected
+    assert all(b["id"].shape == (8,) and b["x"].shape == (8, 2) for b in batches)
+
+
+def test_batches_are_sharded_over_all_devices_by_default():
+    b = next(iter(iter_jax_batches(chunks(16), batch_size=8)))
+    assert b["x"].sharding.spec == P("data") and len(b["x"].sharding.device_set) == 4
+    assert [s.data.shape for s in b["x"].addressable_shards] == [(2, 2)] * 4
+    np.testing.assert_array_equal(np.asarray(b["x"])[:, 0], np.arange(8))
+
+
+def test_pad_mask_is_exact_and_every_batch_has_it():
+    batches = list(iter_jax_batches(chunks(19), batch_size=8, ragged="pad", pad_value=-7))
+    assert len(batches) == 3
+    masks = [np.asarray(b["mask"]).tolist() for b in batches]
+    assert masks[0] == masks[1] == [True] * 8
+    assert masks[2] == [True] * 3 + [False] * 5
+    last = batches[2]
+    assert np.asarray(last["id"]).tolist() == [16, 17, 18, -7, -7, -7, -7, -7]
+    assert last["mask"].sharding == last["id"].sharding
+    assert last["mask"].dtype == np.bool_
+
+
+def test_drop_counts():
+    assert len(list(iter_jax_batches(chunks(19), batch_size=8, ragged="drop"))) == 2
+    assert len(list(iter_jax_batches(chunks(16), batch_size=8, ragged="drop"))) == 2
+
+
+def test_raise_names_rows_left_and_comes_before_any_partial_batch():
+    it = iter_jax_batches(chunks(19), batch_size=8)
+    got = [next(it), next(it)]
+    assert all(np.asarray(b["mask"] if "mask" in b else b["id"]).shape == (8,) for b in got)
+    with pytest.raises(RaggedBatchError, match=r"3 row\(s\) left for batch_size 8; pass ragged='drop' or ragged='pad'"):
+        next(it)
+    with pytest.raises(StopIteration):
+        next(it)
+
+
+def test_exact_multiple_does_not_raise():
+    assert len(list(iter_jax_batches(chunks(24), batch_size=8))) == 3
+
+
+def test_sharding_mismatch_names_both_numbers_before_the_first_batch():
+    consumed = []
+
+    def source():
+        consumed.append(1)
+        yield from chunks(16)
+
+    with pytest.raises(ValueError, match=r"global batch 6 .* not divisible by 4"):
+        iter_jax_batches(source(), batch_size=6)
+    assert consumed == []
+    mesh = jax.make_mesh((2, 2), ("data", "model"))
+    with pytest.raises(ValueError, match="does not split the batch"):
+        iter_jax_batches(chunks(8), batch_size=8, sharding=NamedSharding(mesh, P(None, "data")))
+
+
+def test_two_axis_sharding_of_the_batch():
+    mesh = jax.make_mesh((2, 2), ("data", "fsdp"))
+    sharding = NamedSharding(mesh, P(("data", "fsdp")))
+    b = next(iter(iter_jax_batches(chunks(16), batch_size=8, sharding=sharding)))
+    assert b["x"].sharding.spec == P(("data", "fsdp"))
+    assert sorted(s.index[0].start for s in b["x"].addressable_shards) == [0, 2, 4, 6]
+    # Only the batch axis is split over "data": 2 shards of 4 rows, each on 2 devices.
+    b2 = next(iter(iter_jax_batches(chunks(16), batch_size=8, sharding=NamedSharding(mesh, P("data")))))
+    assert sorted({s.index[0].start for s in b2["x"].addressable_shards}) == [0, 4]
+
+
+def test_dtypes_cast_on_host():
+    import ml_dtypes
+
+    b = next(iter(iter_jax_batches(chunks(8), batch_size=8, dtypes=np.float32)))
+    assert b["x"].dtype == np.float32 and b["id"].dtype == np.int32  # ids keep an integer type
+    b = next(iter(iter_jax_batches(chunks(8), batch_size=8, dtypes={"x": ml_dtypes.bfloat16})))
+    assert b["x"].dtype == jax.numpy.bfloat16
+    with pytest.raises(KeyError, match="unknown columns"):
+        next(iter(iter_jax_batches(chunks(8), batch_size=8, dtypes={"nope": np.float32})))
+
+
+def test_columns_and_arrow_tables():
+    tables = [pa.table({"id": pa.array(np.arange(i, i + 4)),
+                        "v": pa.FixedSizeListArray.from_arrays(pa.array(np.arange(8 * i, 8 * i + 8, dtype=np.float32)), 2),
+                        "skip": pa.array(["s"] * 4)}) for i in range(0, 12, 4)]
+    batches = list(iter_jax_batches(tables, batch_size=4, columns=["id", "v"]))
+    assert [sorted(b) for b in batches] == [["id", "v"]] * 3
+    assert batches[1]["v"].shape == (4, 2)
+    assert ids_of(batches) == list(range(12))
+
+
+@pytest.mark.parametrize("ragged", ["drop", "pad"])
+def test_resume_from_every_step_is_identical(ragged):
+    source = chunks(45)
+    full = [{k: np.asarray(v) for k, v in b.items()} for b in iter_jax_batches(source, batch_size=8, ragged=ragged)]
+    for k in range(len(full) + 1):
+        it = iter_jax_batches(source, batch_size=8, ragged=ragged)
+        for _ in range(k):
+            next(it)
+        state = json.loads(json.dumps(it.state()))  # JSON-able, as a checkpoint stores it
+        it.close()
+        rest = [{kk: np.asarray(v) for kk, v in b.items()}
+                for b in iter_jax_batches(source, batch_size=8, ragged=ragged, state=state)]
+        assert len(rest) == len(full) - k
+        for a, b in zip(rest, full[k:]):
+            assert a.keys() == b.keys()
+            for key in a:
+                np.testing.assert_array_equal(a[key], b[key])
+
+
+def test_prefetch_keeps_batches_ahead_on_device():
+    it = iter_jax_batches(chunks(64), batch_size=8, prefetch=3)
+    first = next(it)
+    deadline = __import__("time").monotonic() + 10
+    while it._queue.qsize() < 3 and __import__("time").monotonic() < deadline:
+        __import__("time").sleep(0.01)
+    assert it._queue.qsize() == 3  # three more batches already transferred while we hold the first
+    assert first["x"].is_fully_addressable
+    it.close()
+    assert not it._thread.is_alive()
+
+
+def test_source_errors_surface_in_order():
+    def bad():
+        yield {"id": np.arange(8)}
+        raise OSError("disk gone")
+
+    it = iter_jax_batches(bad(), batch_size=8)
+    next(it)
+    with pytest.raises(OSError, match="disk gone"):
+        next(it)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"ragged": "truncate"}, "ragged='truncate' is not a policy; valid: raise, drop, pad"),
+    ({"batch_size": 0}, "batch_size=0 must be >= 1"),
+    ({"prefetch": 0}, "prefetch=0 must be >= 1"),
+])
+def test_bad_arguments(kwargs, message):
+    args = {"batch_size": 8, **kwargs}
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        iter_jax_batches(chunks(8), **args)
+
+
+def test_a_single_batch_is_not_a_source():
+    with pytest.raises(TypeError, match="wrap it in a list"):
+        list(iter_jax_batches({"id": np.arange(8)}, batch_size=8))
