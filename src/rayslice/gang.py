@@ -143,6 +143,10 @@ class _HostProcess:
         return summary, payload
 
 
+def _ping() -> bool:
+    return True
+
+
 def _ordered_get(refs: Sequence[Any], deadline: Deadline, what: str) -> list[Any]:
     """ray.get over refs in rank order, raising at the first failure (no waiting on the rest)."""
     import ray
@@ -176,6 +180,8 @@ class SliceGang:
         init_jax: Initialise ``jax.distributed`` on start.
         init_timeout_s: Deadline for all processes to start and form the mesh.
         env: Extra environment for every process.
+        actor_options: Extra Ray actor options (e.g. ``max_concurrency=2`` so
+            a process can answer while it runs a long call).
 
     Example:
         >>> with slice_placement_group("2x2x2", "v4") as spg, SliceGang(spg) as gang:  # doctest: +SKIP
@@ -184,8 +190,9 @@ class SliceGang:
     """
 
     def __init__(self, spg: SlicePlacementGroup, *, init_jax: bool = True, init_timeout_s: float = 120.0,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, actor_options: dict[str, Any] | None = None) -> None:
         self.spg = spg
+        self.actor_options = dict(actor_options or {})
         self.init_jax = init_jax
         self.init_timeout_s = init_timeout_s
         self.env = dict(env or {})
@@ -212,7 +219,7 @@ class SliceGang:
                     scheduling_strategy=self.spg.scheduling_strategy(s.slice_index, h.worker_id),
                     max_restarts=0,
                     max_task_retries=0,
-                    name=None,
+                    **self.actor_options,
                 ).remote(env, ctx)
                 self.actors.append(actor)
                 self.contexts.append(ctx)
@@ -264,6 +271,27 @@ class SliceGang:
             lost or the deadline ran out.
         """
         return _ordered_get(self.run_async(fn, *args, **kwargs), Deadline(timeout_s), getattr(fn, "__name__", "fn"))
+
+    def lost_hosts(self, timeout_s: float = 5.0) -> list[int]:
+        """Ranks whose process does not answer a ping within ``timeout_s`` (dead or unreachable).
+
+        An error seen in one process (a collective failing) is often only the
+        echo of another host dying; this tells the two apart.
+        """
+        import ray
+
+        refs = [a.call.remote(_ping, (), {}) for a in self.actors]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        lost = []
+        for rank, ref in enumerate(refs):
+            if ref not in ready:
+                lost.append(rank)
+                continue
+            try:
+                ray.get(ref)
+            except Exception:
+                lost.append(rank)
+        return lost
 
     def shutdown(self) -> None:
         """Kills every gang process. Idempotent."""

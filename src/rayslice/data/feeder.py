@@ -123,7 +123,7 @@ class JaxBatchIterator(Iterator[dict[str, Any]]):
                  prefetch: int, dtypes: Any, columns: Sequence[str] | None, state: Mapping[str, Any] | None,
                  agree: bool | None, agreement_timeout_s: float, mask_key: str, agree_window: int) -> None:
         import jax
-        from jax.sharding import Mesh, NamedSharding, PartitionSpec
+        from jax.sharding import NamedSharding, PartitionSpec
 
         if batch_size < 1:
             raise ValueError(f"batch_size={batch_size} must be >= 1")
@@ -138,7 +138,9 @@ class JaxBatchIterator(Iterator[dict[str, Any]]):
         self.mask_key = mask_key
         self.process_count = jax.process_count()
         if sharding is None:
-            sharding = NamedSharding(Mesh(np.array(jax.devices()), ("data",)), PartitionSpec("data"))
+            # jax.make_mesh, as JAX recommends, so the default matches a mesh
+            # the training code builds the same way (same axis types).
+            sharding = NamedSharding(jax.make_mesh((jax.device_count(),), ("data",)), PartitionSpec("data"))
         self.sharding, _ = _validate_sharding(sharding, batch_size, self.process_count)
         self.global_batch = batch_size * self.process_count
         st = dict(state or {})
@@ -317,7 +319,9 @@ def iter_jax_batches(
             jax.process_count()`` rows.
         sharding: A ``NamedSharding`` whose first dimension is split over one
             or more mesh axes (e.g. ``P(("data", "fsdp"))``); default: 1-D over
-            all devices. Only the batch dimension is split.
+            all devices (``jax.make_mesh((jax.device_count(),), ("data",))``).
+            Only the batch dimension is split. Pass your model's mesh here:
+            JAX refuses to mix arrays from meshes with different axis types.
         ragged: ``"raise"``, ``"drop"`` or ``"pad"`` for the last partial batch.
         pad_value: Fill value for ``"pad"``.
         prefetch: Batches kept on device ahead of the consumer.

@@ -1,0 +1,206 @@
+"""JaxTrainer on the simulated cluster: training, checkpoints, chaos, errors, multi-slice."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import rayslice
+from rayslice.errors import GangError, Outcome
+from rayslice.placement import PG_NAME_PREFIX
+from rayslice.sim import SliceSpec
+from rayslice.train import (CheckpointConfig, FailureConfig, JaxTrainer, RunConfig, ScalingConfig,
+                            latest_complete_step)
+
+from . import train_loops
+from .conftest import live_groups
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+V4 = ScalingConfig(topology="2x2x2", accelerator_type="TPU-V4", init_timeout_s=120)
+V5P = ScalingConfig(topology="2x2x2", accelerator_type="TPU-V5P", init_timeout_s=120)
+
+
+def _no_actors_left():
+    # The GCS actor table (the state API would need the dashboard).
+    from ray._private.state import actors
+
+    return [a for a in actors().values() if a["State"] == "ALIVE" and "_HostProcess" in a.get("ActorClassName", "")]
+
+
+def _restore_in_separate_process(checkpoint_dir: str) -> dict:
+    # Plain Orbax, no rayslice, in its own process.
+    code = textwrap.dedent(f"""
+        import json, numpy as np, orbax.checkpoint as ocp
+        import jax
+        step = ocp.CheckpointManager({checkpoint_dir!r}).latest_step()
+        path = f"{checkpoint_dir}/{{step}}/state"
+        ckptr = ocp.PyTreeCheckpointer()
+        tree = ckptr.metadata(path).item_metadata.tree
+        as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+        out = ckptr.restore(path, args=ocp.args.PyTreeRestore(restore_args=as_numpy))
+        leaves = jax.tree_util.tree_leaves_with_path(out)
+        print(json.dumps({{"step": step, "leaves": {{jax.tree_util.keystr(k): np.asarray(v).tobytes().hex()
+                                                     for k, v in leaves}}}}))
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_trains_checkpoints_and_restores_with_plain_orbax(ray_cluster, tmp_path):
+    cfg = {"rows": 160, "every": 4}
+    result = JaxTrainer(train_loops.regression_loop, train_loop_config=cfg, scaling_config=V4,
+                        run_config=RunConfig(name="basic", storage_path=str(tmp_path), progress=False,
+                                             checkpoint_config=CheckpointConfig(num_to_keep=2))).fit()
+    assert result.error is None, result.error
+    losses = [m["loss"] for m in result.metrics_history]
+    assert len(losses) == 20 and [m["step"] for m in result.metrics_history] == list(range(1, 21))
+    assert losses[-1] < 0.5 * losses[0]  # it learns
+    last = result.metrics
+    assert (last["world_size"], last["process_count"], last["device_count"], last["local_device_count"]) == (2, 2, 8, 4)
+    assert last["world_rank"] == 0 and last["worker_id"] == 0 and last["megascale_slices"] == ""
+    # Every 4 steps, 2 kept: 16 and 20.
+    ckdir = f"{result.path}/checkpoints"
+    assert sorted(int(d) for d in os.listdir(ckdir) if d.isdigit()) == [16, 20]
+    assert result.checkpoint.step == 20 == latest_complete_step(ckdir)
+    meta = result.checkpoint.metadata()
+    assert meta["step"] == 20 and meta["data_states"]["data"][1]["batches"] == 20
+    restored = _restore_in_separate_process(ckdir)
+    assert restored["step"] == 20 and any("params" in k for k in restored["leaves"])
+    g = result.goodput
+    assert g.steps == 20 and g.seconds["productive"] > 0 and g.seconds["compile"] > 0 and g.seconds["lost"] == 0
+    assert abs(sum(g.seconds.values()) - g.wall_s) < 1e-6
+    assert live_groups(PG_NAME_PREFIX) == [] and _no_actors_left() == []
+
+
+@pytest.fixture(scope="module")
+def chaos_slices(sim):
+    """Two v5p 2x2x2 slices of their own: the chaos test breaks one."""
+    names = [sim.add_slice(SliceSpec("TPU-V5P", "2x2x2", name=f"chaos-{i}")) for i in range(2)]
+    yield names
+    for n in names:
+        alive = [h for h in sim.slices[n].hosts if h.alive]
+        if alive:
+            sim.preempt_slice(n)
+
+
+def test_preemption_mid_run_gives_bitwise_identical_params(ray_cluster, chaos_slices, tmp_path):
+    cfg = {"rows": 160, "every": 4, "sleep_s": 0.25}
+    plain = JaxTrainer(train_loops.regression_loop, train_loop_config=cfg, scaling_config=V5P,
+                       run_config=RunConfig(name="plain", storage_path=str(tmp_path), progress=False)).fit()
+    assert plain.error is None, plain.error
+
+    fired = []
+
+    def preempt_at_step_6(report):
+        if report["step"] >= 6 and not fired:
+            busy = [s.name for s in rayslice.list_slices() if s.name in chaos_slices and s.state == "busy"]
+            fired.append(busy[0])
+            ray_cluster.preempt_host(busy[0], 1)
+
+    chaos = JaxTrainer(train_loops.regression_loop, train_loop_config=cfg, scaling_config=V5P,
+                       run_config=RunConfig(name="chaos", storage_path=str(tmp_path), progress=False,
+                                            failure_config=FailureConfig(max_preemptions=2),
+                                            callbacks=[preempt_at_step_6])).fit()
+    assert chaos.error is None, chaos.error
+    assert fired and chaos.preemptions == 1 and chaos.attempts == 2 and chaos.failures == 0
+    assert chaos.metrics["restored_from"] in (4, 8, 12)  # resumed from a checkpoint, on the other slice
+    steps = [h["step"] for h in chaos.metrics_history]
+    recomputed = len(steps) - len(set(steps))  # steps reported by both attempts
+    assert chaos.goodput.lost_steps == recomputed and chaos.goodput.seconds["lost"] > 0
+    assert sorted(set(steps)) == list(range(1, 21))
+    a = _restore_in_separate_process(f"{plain.path}/checkpoints")
+    b = _restore_in_separate_process(f"{chaos.path}/checkpoints")
+    assert a["step"] == b["step"] == 20
+    assert a["leaves"] == b["leaves"]  # bitwise identical params and optimizer state
+    assert live_groups(PG_NAME_PREFIX) == [] and _no_actors_left() == []
+
+
+def test_user_exception_reaches_result_without_retry(ray_cluster, tmp_path):
+    result = JaxTrainer(train_loops.failing_loop, train_loop_config={}, scaling_config=V4,
+                        run_config=RunConfig(name="fails", storage_path=str(tmp_path), progress=False,
+                                             failure_config=FailureConfig(max_failures=0))).fit()
+    assert isinstance(result.error, ValueError)
+    assert "loss is NaN at step 2 (injected)" in str(result.error)
+    assert "failing_loop" in str(result.error)  # the worker's traceback
+    assert (result.attempts, result.failures, result.preemptions) == (1, 1, 0)
+    assert live_groups(PG_NAME_PREFIX) == [] and _no_actors_left() == []
+
+
+def test_user_errors_retry_within_budget(ray_cluster, tmp_path):
+    result = JaxTrainer(train_loops.failing_loop, train_loop_config={"rank": 0}, scaling_config=V4,
+                        run_config=RunConfig(name="retries", storage_path=str(tmp_path), progress=False,
+                                             failure_config=FailureConfig(max_failures=1))).fit()
+    assert isinstance(result.error, ValueError) and (result.attempts, result.failures) == (2, 2)
+
+
+def test_crash_mid_save_keeps_the_previous_checkpoint(ray_cluster, tmp_path):
+    result = JaxTrainer(train_loops.crash_mid_save_loop, train_loop_config={}, scaling_config=V4,
+                        run_config=RunConfig(name="crash", storage_path=str(tmp_path), progress=False,
+                                             failure_config=FailureConfig(max_preemptions=1))).fit()
+    assert result.error is None, result.error
+    assert result.preemptions == 1
+    assert result.metrics["restored_from"] == 1 and result.metrics["sum"] == 1.0  # step 1's values, intact
+
+
+def test_two_slices_one_mesh(ray_cluster, tmp_path):
+    sc = ScalingConfig(topology="2x2x2", accelerator_type="TPU-V4", num_slices=2, init_timeout_s=120)
+    result = JaxTrainer(train_loops.regression_loop, train_loop_config={"rows": 32, "every": 100},
+                        scaling_config=sc,
+                        run_config=RunConfig(name="multislice", storage_path=str(tmp_path), progress=False)).fit()
+    assert result.error is None, result.error
+    m = result.metrics
+    assert (m["world_size"], m["process_count"], m["device_count"], m["num_slices"]) == (4, 4, 16, 2)
+    assert m["megascale_slices"] == "2"
+
+
+def test_gang_that_cannot_form_fails_instead_of_hanging(ray_cluster, tmp_path):
+    sc = ScalingConfig(topology="2x2x2", accelerator_type="TPU-V4", init_timeout_s=0.001)
+    result = JaxTrainer(train_loops.failing_loop, scaling_config=sc,
+                        run_config=RunConfig(name="noinit", storage_path=str(tmp_path), progress=False)).fit()
+    assert isinstance(result.error, GangError) and result.error.outcome is Outcome.TIMEOUT
+    assert live_groups(PG_NAME_PREFIX) == []
+
+
+_DRIVER = textwrap.dedent("""
+    import sys, json, os
+    sys.path.insert(0, {root!r})
+    import ray
+    ray.init(address={address!r}, log_to_driver=False)
+    from tests import train_loops
+    from rayslice.train import JaxTrainer, RunConfig, ScalingConfig
+    r = JaxTrainer(train_loops.regression_loop, train_loop_config={{"rows": 16, "every": 1}},
+                   scaling_config=ScalingConfig(topology="2x2x2", accelerator_type="TPU-V4"),
+                   run_config=RunConfig(name="driver", storage_path={path!r}, progress=False)).fit()
+    print(json.dumps({{"error": str(r.error) if r.error else None, "jax": "jax" in sys.modules,
+                      "steps": len(r.metrics_history)}}))
+""")
+
+
+def test_driver_never_imports_jax(ray_cluster, tmp_path):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = _DRIVER.format(root=root, address=ray_cluster.address, path=str(tmp_path))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    info = json.loads(out.stdout.strip().splitlines()[-1])
+    assert info == {"error": None, "jax": False, "steps": 2}
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="'4x5' is not a v6e topology"):
+        ScalingConfig(topology="4x5", accelerator_type="v6e")
+    with pytest.raises(ValueError, match="use_tpu=False is not supported"):
+        ScalingConfig(topology="2x2x2", accelerator_type="v4", use_tpu=False)
+    with pytest.raises(ValueError, match="num_to_keep=0"):
+        CheckpointConfig(num_to_keep=0)
+    with pytest.raises(ValueError, match="max_failures=-2"):
+        FailureConfig(max_failures=-2)
+    with pytest.raises(ValueError, match="run name 'a b'"):
+        RunConfig(name="a b")

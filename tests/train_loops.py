@@ -1,0 +1,122 @@
+"""Training loops run by the trainer tests (inside gang processes; JAX imported here only)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+W_TRUE = (1.0, -2.0, 3.0, 0.5)
+
+
+def regression_loop(config: dict) -> None:
+    """A small Flax MLP on deterministic per-host data; checkpoints every ``every`` steps."""
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from rayslice.data import iter_jax_batches
+    from rayslice.train import get_checkpoint, get_context, report
+
+    ctx = get_context()
+    mesh = jax.make_mesh((jax.device_count(),), ("data",))
+
+    class MLP(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(1)(nn.relu(nn.Dense(32)(x)))
+
+    model, tx = MLP(), optax.adam(config.get("lr", 0.05))
+    repl = NamedSharding(mesh, P())
+    params = jax.jit(model.init, out_shardings=repl)(jax.random.key(config.get("seed", 0)), jnp.zeros((1, 4)))
+    state = {"params": params, "opt": jax.jit(tx.init, out_shardings=repl)(params)}
+    data_state = None
+    ckpt = get_checkpoint()
+    if ckpt is not None:
+        state = ckpt.restore(state)
+        data_state = ckpt.data_state("data")
+    rng = np.random.default_rng(ctx.world_rank)
+    x = rng.standard_normal((config["rows"], 4)).astype(np.float32)
+    y = (x @ np.array(W_TRUE, np.float32)).astype(np.float32)
+    it = iter_jax_batches([{"x": x, "y": y}], batch_size=8, state=data_state, ragged="drop",
+                          sharding=NamedSharding(mesh, P("data")))
+
+    @jax.jit
+    def step(state, batch):
+        def loss_fn(p):
+            return jnp.mean((model.apply(p, batch["x"])[:, 0] - batch["y"]) ** 2)
+
+        loss, grads = jax.value_and_grad(loss_fn)(state["params"])
+        updates, opt = tx.update(grads, state["opt"], state["params"])
+        return {"params": optax.apply_updates(state["params"], updates), "opt": opt}, loss
+
+    for batch in it:
+        state, loss = step(state, batch)
+        n = it.state()["batches"]
+        time.sleep(config.get("sleep_s", 0.0))
+        extra = {"restored_from": ckpt.step if ckpt else 0, "world_rank": ctx.world_rank,
+                 "world_size": ctx.world_size, "process_count": jax.process_count(),
+                 "device_count": jax.device_count(), "local_device_count": ctx.local_device_count,
+                 "num_slices": ctx.num_slices, "slice_index": ctx.slice_index, "worker_id": ctx.worker_id,
+                 "megascale_slices": os.environ.get("MEGASCALE_NUM_SLICES", "")}
+        report({"loss": loss, **extra}, checkpoint={**state, "data": it} if n % config["every"] == 0 else None)
+
+
+def failing_loop(config: dict) -> None:
+    from rayslice.train import get_context, report
+
+    report({"loss": 1.0})
+    if get_context().world_rank == config.get("rank", 1):
+        raise ValueError("loss is NaN at step 2 (injected)")
+    time.sleep(30)  # the healthy host would wait in a collective; the trainer must not
+
+
+def crash_mid_save_loop(config: dict) -> None:
+    """Attempt 1: a complete checkpoint at step 1, then both hosts die while step 2's save runs."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from rayslice.train import get_checkpoint, get_context, report
+
+    mesh = jax.make_mesh((jax.device_count(),), ("data",))
+    big = jax.device_put(jnp.ones((jax.device_count() * 1024, 4096), jnp.float32), NamedSharding(mesh, P("data")))
+    ckpt = get_checkpoint()
+    if ckpt is not None:
+        restored = ckpt.restore({"w": big})
+        report({"restored_from": ckpt.step, "sum": float(restored["w"].sum()) / big.size})
+        return
+    report({"loss": 1.0}, checkpoint={"w": big})
+    from rayslice.train.worker import _session
+
+    _session().writer.wait()  # step 1 is complete on storage
+    report({"loss": 0.5}, checkpoint={"w": big * 2})  # asynchronous: still writing...
+    os._exit(1)  # ...when the host dies (the process vanishes, as on preemption)
+
+
+def overhead_loop(config: dict) -> None:
+    """Times the same jitted step with and without report() (the trainer's per-step cost)."""
+    import jax
+    import jax.numpy as jnp
+
+    from rayslice.train import report
+
+    x = jnp.ones((256, 256), jnp.float32)
+    f = jax.jit(lambda a: (a @ a).mean())
+    f(x).block_until_ready()
+    n = config.get("steps", 200)
+
+    def timed(with_report: bool) -> float:
+        t0 = time.perf_counter()
+        for i in range(n):
+            v = f(x)
+            v.block_until_ready()
+            if with_report:
+                report({"v": v, "i": i})
+        return time.perf_counter() - t0
+
+    bare = min(timed(False) for _ in range(3))
+    reported = min(timed(True) for _ in range(3))
+    report({"bare_s": bare, "reported_s": reported, "overhead": reported / bare - 1})
