@@ -19,6 +19,7 @@ sys.path.insert(0, HERE)
 
 import bench_data  # noqa: E402
 import bench_reservation  # noqa: E402
+import bench_train  # noqa: E402
 
 from rayslice.sim import SimulatedCluster, SliceSpec  # noqa: E402
 
@@ -31,8 +32,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--rounds", type=int, default=15, help="reservation cycles per peer")
     ap.add_argument("--rows", type=int, default=1_000_000, help="rows of the data benchmark")
+    ap.add_argument("--train-rounds", type=int, default=3, help="fit() runs per trainer")
     args = ap.parse_args()
-    console = Console()
+    os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")  # Ray's JaxTrainer lives in Train v2
+    console = Console(width=max(Console().width, 150))
     t = Table(title="rayslice benchmarks (same machine, same run)", title_justify="left")
     for col in ("benchmark", "rayslice", "peer / limit", "ratio", "goal", "met"):
         t.add_column(col)
@@ -48,6 +51,12 @@ def main() -> int:
             cycle = bench_reservation.bench_cycle(rounds=args.rounds)
         with console.status("multi-host agreement cost"):
             agree = bench_data.agreement_cost()
+        with console.status(f"trainers, {args.train_rounds} fit() each"):
+            train = bench_train.compare(rounds=args.train_rounds)
+        with console.status("trainer per-step overhead"):
+            over = bench_train.overhead()
+        with console.status("recovery after a lost host"):
+            rec = bench_train.recovery(sim)  # last: it breaks a slice
     finally:
         sim.shutdown()
     with console.status(f"data feeding, {args.rows:,} rows (own process)"):
@@ -79,6 +88,18 @@ def main() -> int:
               f"{r['naive'] / 1e6:.2f} M rows/s, {g['naive']:.2f} GB/s", f"{data['vs_naive']:.2f}x", "(info)", "-")
     t.add_row(f"multi-host agreement, {agree['hosts']} hosts, per step", f"{agree['with_us']:.0f} us/step",
               f"{agree['without_us']:.0f} us/step without", f"+{agree['cost_us']:.0f} us", "(documented)", "-")
+    fs, ft = train["first_step_s"], train["fit_s"]
+    t.add_row(f"fit() -> first completed step (median of {train['rounds']})", f"{fs['rayslice']:.2f} s",
+              f"{fs['ray']:.2f} s (ray.train.v2.jax.JaxTrainer)", f"{train['first_ratio']:.2f}x",
+              f"<= {bench_train.GOAL_RATIO}x", _met(train["first_ratio"] <= bench_train.GOAL_RATIO))
+    t.add_row("fit() total, 5-step loop", f"{ft['rayslice']:.2f} s", f"{ft['ray']:.2f} s", f"{train['fit_ratio']:.2f}x",
+              f"<= {bench_train.GOAL_RATIO}x", _met(train["fit_ratio"] <= bench_train.GOAL_RATIO))
+    t.add_row(f"trainer per-step overhead ({over['steps']} steps, report() each)",
+              f"{over['reported_ms']:.3f} ms/step", f"{over['bare_ms']:.3f} ms/step bare loop",
+              f"{100 * over['overhead']:+.1f}%", f"<= {100 * bench_train.GOAL_OVERHEAD:g}%",
+              _met(over["overhead"] <= bench_train.GOAL_OVERHEAD))
+    t.add_row("recovery: host lost -> next step completed", f"{rec['recovery_s']:.1f} s", "", "-",
+              f"<= {bench_train.GOAL_RECOVERY_S:g} s", _met(rec["recovery_s"] <= bench_train.GOAL_RECOVERY_S))
     console.print(t)
     console.print(f"p90 reservation cycle: rayslice {cycle['rayslice_p90_ms']:.1f} ms, "
                   f"ray.util.tpu {cycle['ray_p90_ms']:.1f} ms")

@@ -120,11 +120,15 @@ def test_ray_dataset_in_one_process(ray_cluster):
     for b in it:
         seen.extend(np.asarray(b["id"])[np.asarray(b["mask"])].tolist())
     assert sorted(seen) == list(range(50))
-    # Resume from a state mid-way over a Ray Dataset.
-    it = iter_jax_batches(ds.repartition(1), batch_size=8, ragged="drop")
-    next(it), next(it)
-    state = it.state()
-    it.close()
-    rest = [np.asarray(b["id"]).tolist() for b in iter_jax_batches(ds.repartition(1), batch_size=8,
-                                                                      ragged="drop", state=state)]
-    assert rest == [list(range(i, i + 8)) for i in range(16, 48, 8)]
+    # Resume mid-way over a Ray Dataset: within the first fetch, and past whole fetches
+    # (rows are fetched 16 batches = 128 rows at a time).
+    ordered = ray.data.range(400).repartition(1)
+    for consumed in (2, 20):
+        it = iter_jax_batches(ordered, batch_size=8, ragged="drop")
+        for _ in range(consumed):
+            next(it)
+        state = it.state()
+        it.close()
+        rest = [np.asarray(b["id"]).tolist() for b in iter_jax_batches(ordered, batch_size=8, ragged="drop",
+                                                                          state=state)]
+        assert rest == [list(range(i, i + 8)) for i in range(8 * consumed, 400, 8)]

@@ -92,8 +92,12 @@ def chaos_slices(sim):
 
 
 def test_preemption_mid_run_gives_bitwise_identical_params(ray_cluster, chaos_slices, tmp_path):
-    cfg = {"rows": 160, "every": 4, "sleep_s": 0.25}
-    plain = JaxTrainer(train_loops.regression_loop, train_loop_config=cfg, scaling_config=V5P,
+    import ray
+
+    # Ray Data input: 320 rows, split over 2 hosts, 8 rows per host per step = 20 steps.
+    cfg = {"ray_data": True, "every": 4, "sleep_s": 0.25}
+    datasets = {"train": ray.data.range(320).map_batches(train_loops.regression_rows)}
+    plain = JaxTrainer(train_loops.regression_loop, train_loop_config=cfg, scaling_config=V5P, datasets=datasets,
                        run_config=RunConfig(name="plain", storage_path=str(tmp_path), progress=False)).fit()
     assert plain.error is None, plain.error
 
@@ -105,7 +109,7 @@ def test_preemption_mid_run_gives_bitwise_identical_params(ray_cluster, chaos_sl
             fired.append(busy[0])
             ray_cluster.preempt_host(busy[0], 1)
 
-    chaos = JaxTrainer(train_loops.regression_loop, train_loop_config=cfg, scaling_config=V5P,
+    chaos = JaxTrainer(train_loops.regression_loop, train_loop_config=cfg, scaling_config=V5P, datasets=datasets,
                        run_config=RunConfig(name="chaos", storage_path=str(tmp_path), progress=False,
                                             failure_config=FailureConfig(max_preemptions=2),
                                             callbacks=[preempt_at_step_6])).fit()

@@ -37,10 +37,15 @@ def regression_loop(config: dict) -> None:
     if ckpt is not None:
         state = ckpt.restore(state)
         data_state = ckpt.data_state("data")
-    rng = np.random.default_rng(ctx.world_rank)
-    x = rng.standard_normal((config["rows"], 4)).astype(np.float32)
-    y = (x @ np.array(W_TRUE, np.float32)).astype(np.float32)
-    it = iter_jax_batches([{"x": x, "y": y}], batch_size=8, state=data_state, ragged="drop",
+    if config.get("ray_data"):
+        from rayslice.train import get_dataset_shard
+
+        source = get_dataset_shard("train")  # this host's deterministic split of a Ray Dataset
+    else:
+        rng = np.random.default_rng(ctx.world_rank)
+        x = rng.standard_normal((config["rows"], 4)).astype(np.float32)
+        source = [{"x": x, "y": (x @ np.array(W_TRUE, np.float32)).astype(np.float32)}]
+    it = iter_jax_batches(source, batch_size=8, state=data_state, ragged="drop", columns=["x", "y"],
                           sharding=NamedSharding(mesh, P("data")))
 
     @jax.jit
@@ -62,6 +67,15 @@ def regression_loop(config: dict) -> None:
                  "num_slices": ctx.num_slices, "slice_index": ctx.slice_index, "worker_id": ctx.worker_id,
                  "megascale_slices": os.environ.get("MEGASCALE_NUM_SLICES", "")}
         report({"loss": loss, **extra}, checkpoint={**state, "data": it} if n % config["every"] == 0 else None)
+
+
+def regression_rows(batch: dict) -> dict:
+    """Ray Data map_batches: features and target per row id (deterministic)."""
+    import numpy as np
+
+    ids = batch["id"]
+    x = np.stack([np.sin(ids * (k + 1) * 0.1) for k in range(4)], axis=1).astype(np.float32)
+    return {"x": x, "y": (x @ np.array(W_TRUE, np.float32)).astype(np.float32)}
 
 
 def failing_loop(config: dict) -> None:
@@ -103,7 +117,8 @@ def overhead_loop(config: dict) -> None:
 
     from rayslice.train import report
 
-    x = jnp.ones((256, 256), jnp.float32)
+    size = config.get("size", 512)
+    x = jnp.ones((size, size), jnp.float32)
     f = jax.jit(lambda a: (a @ a).mean())
     f(x).block_until_ready()
     n = config.get("steps", 200)

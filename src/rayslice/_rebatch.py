@@ -119,9 +119,14 @@ def host_batches(
         ds = source
         if columns is not None and hasattr(ds, "select_columns"):
             ds = ds.select_columns(list(columns))
+        # Ray Data formats batches on a thread pool and, by default, yields them
+        # in completion order; resuming from a row count needs the same order
+        # every time, so ask for the source order (a small reorder buffer).
+        ctx = ds.context if hasattr(ds, "context") else ds.get_context()
+        ctx.execution_options.preserve_order = True
         fetch = batch_size * max(1, fetch_batches)
-        raw = ds.iter_batches(batch_size=fetch, batch_format="numpy", drop_last=False,
-                              prefetch_batches=ray_prefetch_batches)
+        raw = iter(ds.iter_batches(batch_size=fetch, batch_format="numpy", drop_last=False,
+                                   prefetch_batches=ray_prefetch_batches))
         # Resuming: skip whole fetches without converting them, then rows.
         whole, rest = divmod(skip_rows, fetch)
         for _ in range(whole):

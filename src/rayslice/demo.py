@@ -9,12 +9,20 @@ running on this machine:
 4. make one host of slice A busy, reserve a whole slice (it lands on B),
    and run a cross-host ``psum`` on it;
 5. show why a reservation of a missing shape fails fast;
-6. shut everything down and check that no Ray process is left.
+6. prepare a dataset with Ray Data;
+7. train a Flax model on a 2-host slice with ``JaxTrainer``, preempting one of
+   its hosts mid-run: the run resumes from its checkpoint on the other slice;
+8. the node pool replaces the lost slice; batch inference over every row with
+   ``batch_predict`` (``iter_jax_batches`` on every host of a slice);
+9. summary, shut down, no Ray process left.
 """
 
 from __future__ import annotations
 
+import functools
+import tempfile
 import time
+from typing import Any
 
 from rich.console import Console
 from rich.panel import Panel
@@ -117,9 +125,78 @@ def run_demo(console: Console) -> None:
             rayslice.slice_placement_group("4x4", "TPU-V6E", timeout_s=60)
         except rayslice.NoMatchingSlice as e:
             console.print(f"NoMatchingSlice after {time.monotonic() - t0:.2f} s:\n{e}")
+
+        summary = _train_and_infer(console, sim)
     finally:
-        _step(console, 6, "Shut down")
+        _step(console, 10, "Shut down")
         with console.status("stopping the simulated cluster"):
             sim.shutdown()
-    console.print(Panel(f"demo finished in {time.monotonic() - t_start:.1f} s; cluster stopped, no processes left",
-                        style="green"))
+    lines = [f"demo finished in {time.monotonic() - t_start:.1f} s; cluster stopped, no processes left"]
+    lines += [f"{k}: {v}" for k, v in summary.items()] if "summary" in locals() else []
+    console.print(Panel("\n".join(lines), title="summary", style="green"))
+
+
+def _train_and_infer(console: Console, sim: Any) -> dict[str, str]:
+    import ray
+
+    import rayslice
+    from rayslice import _demo_model
+    from rayslice.sim import SliceSpec
+    from rayslice.train import CheckpointConfig, FailureConfig, JaxTrainer, RunConfig, ScalingConfig
+
+    _step(console, 6, "Prepare data with Ray Data")
+    rows = 4096
+    ds = ray.data.range(rows).map_batches(_demo_model.make_features)
+    train_ds, test_ds = ds.train_test_split(test_size=0.25, seed=0)
+    console.print(f"{rows} rows -> train {train_ds.count()}, test {test_ds.count()} "
+                  f"(columns: {', '.join(ds.schema().names)})")
+
+    _step(console, 7, "Train on a 2-host slice; one host is preempted mid-run")
+    preempted: list[str] = []
+
+    def preempt_once(report: dict) -> None:
+        if report["step"] >= 30 and not preempted:
+            busy = [s.name for s in rayslice.list_slices() if s.state == "busy"]
+            preempted.append(busy[0])
+            console.print(f"[yellow]>>> preempting host 1 of {busy[0]} at step {report['step']}[/yellow]")
+            sim.preempt_host(busy[0], 1, wait=False)
+
+    storage = tempfile.mkdtemp(prefix="rayslice-demo-")
+    trainer = JaxTrainer(
+        _demo_model.train_loop,
+        train_loop_config={"lr": 3e-3, "batch_size": 32, "every": 8, "step_delay_s": 0.03},
+        scaling_config=ScalingConfig(topology="2x2x2", accelerator_type="TPU-V4"),
+        run_config=RunConfig(name="demo", storage_path=storage, callbacks=[preempt_once],
+                             checkpoint_config=CheckpointConfig(num_to_keep=2),
+                             failure_config=FailureConfig(max_preemptions=3)),
+        datasets={"train": train_ds},
+        console=console,
+    )
+    result = trainer.fit()
+    if result.error is not None:
+        raise RuntimeError(f"training failed: {result.error}")
+    first, last = result.metrics_history[0]["loss"], result.metrics["loss"]
+    console.print(f"trained {result.goodput.steps} steps: loss {first:.3f} -> {last:.3f}; "
+                  f"{result.preemptions} preemption(s), {result.attempts} attempts; checkpoint {result.checkpoint.path}")
+
+    _step(console, 8, "The node pool replaces the lost slice")
+    with console.status("adding a replacement slice"):
+        new = sim.add_slice(SliceSpec("TPU-V4", "2x2x2"))
+    console.print(slices_table(rayslice.list_slices()))
+    console.print(f"replacement slice: {new}")
+
+    _step(console, 9, "Batch inference over every test row with batch_predict (iter_jax_batches on each host)")
+    t0 = time.monotonic()
+    out = rayslice.batch_predict(
+        test_ds, _demo_model.predict, setup=functools.partial(_demo_model.load_params, result.checkpoint.path),
+        topology="2x2x2", accelerator_type="TPU-V4", batch_size=64, input_columns=["x"], keep_columns=["id", "y"])
+    preds = out.to_pandas()
+    mse = float(((preds["prediction"] - preds["y"]) ** 2).mean())
+    console.print(f"{len(preds)} predictions (of {test_ds.count()} rows, none padded) in {time.monotonic() - t0:.1f} s; "
+                  f"test MSE {mse:.4f} (variance of y: {float(preds['y'].var()):.4f})")
+    g = result.goodput
+    return {"training": f"{g.steps} steps, loss {first:.3f} -> {last:.3f}, {result.preemptions} preemption recovered",
+            "goodput": f"{100 * g.fraction:.1f}% productive of {g.wall_s:.1f} s "
+                       f"(lost work {g.seconds['lost']:.1f} s, {g.lost_steps} steps recomputed)",
+            "batch inference": f"{len(preds)} rows, test MSE {mse:.4f}",
+            "checkpoint": result.checkpoint.path}

@@ -313,18 +313,19 @@ class SimulatedCluster:
             raise RuntimeError("SimulatedCluster is not running")
         return self._start_slice(spec).name
 
-    def preempt_host(self, slice_name: str, worker_id: int, *, timeout_s: float = 30.0) -> None:
+    def preempt_host(self, slice_name: str, worker_id: int, *, wait: bool = True, timeout_s: float = 30.0) -> None:
         """Kills one host's node abruptly, as a preempted VM dies.
 
-        Returns once Ray's control plane has declared the node dead.
+        With ``wait`` (default), returns once Ray's control plane has declared
+        the node dead (within ``timeout_s``); without, right after the kill.
         """
         host = self._host(slice_name, worker_id)
-        self._kill([host], timeout_s)
+        self._kill([host], wait, timeout_s)
 
-    def preempt_slice(self, slice_name: str, *, timeout_s: float = 30.0) -> None:
+    def preempt_slice(self, slice_name: str, *, wait: bool = True, timeout_s: float = 30.0) -> None:
         """Kills every host of a slice abruptly (a whole-slice preemption)."""
         s = self._slice(slice_name)
-        self._kill([h for h in s.hosts if h.alive], timeout_s)
+        self._kill([h for h in s.hosts if h.alive], wait, timeout_s)
 
     # -- internals --------------------------------------------------------
     def _slice(self, name: str) -> SimSlice:
@@ -370,12 +371,14 @@ class SimulatedCluster:
             sim_slice.hosts.append(SimHost(name, worker_id, node))
         return sim_slice
 
-    def _kill(self, hosts: list[SimHost], timeout_s: float) -> None:
+    def _kill(self, hosts: list[SimHost], wait: bool, timeout_s: float) -> None:
         import ray
 
         for host in hosts:
             self._cluster.remove_node(host.node, allow_graceful=False)
             host.alive = False
+        if not wait:
+            return
         dead = {h.node_id for h in hosts}
         deadline = Deadline(timeout_s, clock=self._clock)
         while True:

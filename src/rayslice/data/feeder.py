@@ -314,7 +314,9 @@ def iter_jax_batches(
     Args:
         source: A ``ray.data.Dataset``, a ``ray.data.DataIterator`` (e.g. one
             shard of ``streaming_split``), or an iterable of
-            ``dict[str, np.ndarray]`` / ``pyarrow.Table`` batches.
+            ``dict[str, np.ndarray]`` / ``pyarrow.Table`` batches. For Ray
+            sources this turns on ``preserve_order`` in their DataContext: a
+            resumed iterator must see rows in the same order.
         batch_size: Rows per host per step; arrays have ``batch_size x
             jax.process_count()`` rows.
         sharding: A ``NamedSharding`` whose first dimension is split over one

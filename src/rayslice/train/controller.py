@@ -60,9 +60,10 @@ class JaxTrainer:
         scaling_config: Slices to train on.
         run_config: Name, storage, checkpoints, failure budgets.
         datasets: Ray Datasets; each host gets ``get_dataset_shard(name)``, an
-            equal, deterministic split (materialized once per ``fit``; at most
-            ``world_size - 1`` rows are dropped to equalize), so a restart
-            resumes the same rows from the iterator state in the checkpoint.
+            equal, deterministic split (materialized once per ``fit``, in source
+            order; at most ``world_size - 1`` rows are dropped to equalize), so
+            a restart resumes the same rows from the iterator state in the
+            checkpoint, and two runs over the same data see the same rows.
 
     Example:
         >>> trainer = JaxTrainer(loop, scaling_config=ScalingConfig(topology="2x2x2",
@@ -88,7 +89,7 @@ class JaxTrainer:
         rc = self.run_config
         tracker = GoodputTracker()
         history: list[dict[str, Any]] = []
-        materialized = {k: ds.materialize() for k, ds in self.datasets.items()}
+        materialized = {k: _materialize_in_order(ds) for k, ds in self.datasets.items()}
         attempt, preemptions, failures = 0, 0, 0
         error: BaseException | None = None
         status = self.console.status("starting") if rc.progress else None
@@ -227,6 +228,13 @@ class JaxTrainer:
             self.console.print(text)
         else:
             logger.warning(text)
+
+
+def _materialize_in_order(ds: Any) -> Any:
+    # Source order, so that two runs over the same dataset (and every restart
+    # of one run) give each host the same rows in the same order.
+    ds.context.execution_options.preserve_order = True
+    return ds.materialize()
 
 
 def _first_line(exc: BaseException | None) -> str:

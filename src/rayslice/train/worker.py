@@ -137,9 +137,12 @@ def report(metrics: Mapping[str, Any], checkpoint: Any = None) -> None:
     s = _session()
     now = time.perf_counter()
     step = s.step + 1
-    clean = {k: _scalar(v) for k, v in metrics.items()}
+    # Device scalars stay as they are here: converting them would wait for the
+    # step to finish. The driver's drain converts them, off the training thread.
+    clean = dict(metrics)
     stall = 0.0
     if checkpoint is not None:
+        clean = {k: _scalar(v) for k, v in clean.items()}
         arrays, states = split_data_iterators(checkpoint)
         meta = {"step": step, "metrics": clean, "data_states": _gather_states(s, step, states),
                 "world_size": s.ctx.world_size}
@@ -158,8 +161,23 @@ def drain_reports() -> list[dict[str, Any]]:
     if s is None:
         return []
     with s.lock:
-        out, s.reports = s.reports, []
+        # Only reports whose device values are computed: reading one that is
+        # not would block this thread behind the step (forever, if a peer host
+        # died mid-collective). The rest wait for the next drain, in order.
+        ready = 0
+        for r in s.reports:
+            if not all(_is_ready(v) for v in r["metrics"].values()):
+                break
+            ready += 1
+        out, s.reports = s.reports[:ready], s.reports[ready:]
+    for r in out:
+        r["metrics"] = {k: _scalar(v) for k, v in r["metrics"].items()}
     return out
+
+
+def _is_ready(v: Any) -> bool:
+    is_ready = getattr(v, "is_ready", None)
+    return is_ready() if callable(is_ready) else True
 
 
 def run_worker(train_fn: Callable[..., Any], config: Any, ctx: TrainContext, info: Mapping[str, Any],

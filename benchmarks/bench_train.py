@@ -1,0 +1,155 @@
+"""Trainer benchmark: rayslice JaxTrainer vs Ray 2.60's ray.train.v2.jax.JaxTrainer.
+
+Same simulated cluster, same run, same tiny loop (a jitted step, a report per
+step). Ray's trainer is run with ``ScalingConfig(use_tpu=True,
+topology="2x2x2", accelerator_type="TPU-V4", num_workers=2,
+resources_per_worker={"TPU": 4})``: on the simulator every host's environment
+carries ``JAX_PLATFORMS=cpu``, which Ray's JAX backend honours, so with
+``use_tpu=True`` it calls ``jax.distributed.initialize`` on CPU (gloo).
+``RAY_TRAIN_V2_ENABLED=1`` selects Ray Train v2.
+
+Measured: fit() -> first completed step (the loop records wall-clock time of
+its first step; same machine, same clock), total fit time, the per-step
+overhead of the trainer (report() each step vs the bare loop, in the same
+gang), and recovery (host lost -> next step completed).
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
+
+def _ship_by_value() -> None:
+    # Hosts cannot import benchmarks/ or tests/: send these functions by value.
+    from ray import cloudpickle
+
+    sys.path.insert(0, __file__.rsplit("/", 2)[0])
+    from tests import train_loops
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    cloudpickle.register_pickle_by_value(train_loops)
+
+
+GOAL_RATIO = 0.5
+GOAL_OVERHEAD = 0.03
+GOAL_RECOVERY_S = 10.0
+
+
+def tiny_loop(config: dict) -> None:
+    import time as _t
+
+    import jax
+    import jax.numpy as jnp
+
+    x = jnp.ones((64, 64))
+    f = jax.jit(lambda a: (a @ a).sum())
+    for i in range(config["steps"]):
+        v = float(f(x + i))
+        metrics = {"v": v, "t": _t.time(), "step": i}
+        if i == 0:  # the same record for both trainers: when the first step completed
+            with open(f"{config['marks']}/first-{jax.process_index()}", "w") as fh:
+                fh.write(str(metrics["t"]))
+        if config["ray"]:
+            import ray.train
+
+            ray.train.report(metrics)
+        else:
+            from rayslice.train import report
+
+            report(metrics)
+
+
+def _first_step(marks: str) -> float:
+    import os
+
+    return min(float(open(os.path.join(marks, f)).read()) for f in os.listdir(marks))
+
+
+def _ours(steps: int, storage: str) -> tuple[float, float]:
+    from rayslice.train import JaxTrainer, RunConfig, ScalingConfig
+
+    marks = tempfile.mkdtemp(dir=storage)
+    t0 = time.time()
+    r = JaxTrainer(tiny_loop, train_loop_config={"steps": steps, "ray": False, "marks": marks},
+                   scaling_config=ScalingConfig(topology="2x2x2", accelerator_type="TPU-V4"),
+                   run_config=RunConfig(name=f"bench-{time.time_ns()}", storage_path=storage, progress=False)).fit()
+    total = time.time() - t0
+    assert r.error is None, r.error
+    return _first_step(marks) - t0, total
+
+
+def _ray(steps: int, storage: str) -> tuple[float, float]:
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.v2.jax import JaxTrainer
+
+    marks = tempfile.mkdtemp(dir=storage)
+    t0 = time.time()
+    trainer = JaxTrainer(tiny_loop, train_loop_config={"steps": steps, "ray": True, "marks": marks},
+                         scaling_config=ScalingConfig(use_tpu=True, num_workers=2, topology="2x2x2",
+                                                      accelerator_type="TPU-V4", resources_per_worker={"TPU": 4}),
+                         run_config=RunConfig(name=f"raybench-{time.time_ns()}", storage_path=storage))
+    r = trainer.fit()
+    total = time.time() - t0
+    assert r.error is None, r.error
+    return _first_step(marks) - t0, total
+
+
+def compare(rounds: int = 3, steps: int = 5) -> dict[str, Any]:
+    _ship_by_value()
+    storage = tempfile.mkdtemp(prefix="rs-bench-")
+    _ours(steps, storage)  # warm-up both (worker processes, imports)
+    _ray(steps, storage)
+    ours, theirs = [], []
+    for _ in range(rounds):
+        ours.append(_ours(steps, storage))
+        theirs.append(_ray(steps, storage))
+    f_ours, t_ours = statistics.median(o[0] for o in ours), statistics.median(o[1] for o in ours)
+    f_ray, t_ray = statistics.median(o[0] for o in theirs), statistics.median(o[1] for o in theirs)
+    return {"rounds": rounds, "first_step_s": {"rayslice": f_ours, "ray": f_ray}, "fit_s": {"rayslice": t_ours, "ray": t_ray},
+            "first_ratio": f_ours / f_ray, "fit_ratio": t_ours / t_ray}
+
+
+def overhead(steps: int = 300) -> dict[str, float]:
+    from rayslice.train import JaxTrainer, RunConfig, ScalingConfig
+
+    _ship_by_value()
+    from tests import train_loops  # the same loop the tests use
+
+    r = JaxTrainer(train_loops.overhead_loop, train_loop_config={"steps": steps},
+                   scaling_config=ScalingConfig(topology="2x2x2", accelerator_type="TPU-V4"),
+                   run_config=RunConfig(name=f"overhead-{time.time_ns()}", storage_path=tempfile.mkdtemp(),
+                                        progress=False)).fit()
+    assert r.error is None, r.error
+    m = r.metrics
+    return {"steps": steps, "bare_ms": 1000 * m["bare_s"] / steps, "reported_ms": 1000 * m["reported_s"] / steps,
+            "overhead": m["overhead"]}
+
+
+def recovery(sim: Any) -> dict[str, float]:
+    """Preempts a host mid-run; measures host lost -> next step completed (driver clock)."""
+    import rayslice
+    from rayslice.train import FailureConfig, JaxTrainer, RunConfig, ScalingConfig
+
+    _ship_by_value()
+    from tests import train_loops
+
+    marks: dict[str, float] = {}
+
+    def chaos(report: dict) -> None:
+        if report["step"] >= 4 and "lost" not in marks:
+            busy = [s.name for s in rayslice.list_slices() if s.state == "busy"][0]
+            marks["lost"] = time.time()
+            sim.preempt_host(busy, 1, wait=False)  # kill only; the trainer must notice by itself
+        elif report["attempt"] == 2 and "next" not in marks:
+            marks["next"] = time.time()
+
+    r = JaxTrainer(train_loops.regression_loop, train_loop_config={"rows": 160, "every": 2, "sleep_s": 0.1},
+                   scaling_config=ScalingConfig(topology="2x2x2", accelerator_type="TPU-V4"),
+                   run_config=RunConfig(name=f"recovery-{time.time_ns()}", storage_path=tempfile.mkdtemp(),
+                                        progress=False, failure_config=FailureConfig(max_preemptions=1),
+                                        callbacks=[chaos])).fit()
+    assert r.error is None and r.preemptions == 1, r.error
+    return {"recovery_s": marks["next"] - marks["lost"], "lost_s": r.goodput.seconds["lost"]}

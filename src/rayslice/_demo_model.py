@@ -1,0 +1,102 @@
+"""The demo's model: a small Flax MLP regression, its training loop and inference (private).
+
+Everything here runs inside gang processes (JAX is imported in the
+functions, never at module import), so the demo's driver stays JAX-free.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+FEATURES = 8
+_W = np.linspace(-1.0, 1.0, FEATURES).astype(np.float32)
+
+
+def make_features(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Ray Data ``map_batches``: deterministic features and a noisy nonlinear target per row id."""
+    ids = batch["id"].astype(np.int64)
+    rng = np.random.default_rng(ids[0] if len(ids) else 0)
+    x = np.stack([np.sin(ids * (k + 1) * 0.37) for k in range(FEATURES)], axis=1).astype(np.float32)
+    y = (np.tanh(x @ _W) * 2.0 + 0.05 * rng.standard_normal(len(ids))).astype(np.float32)
+    return {"id": ids, "x": x, "y": y}
+
+
+def _model() -> Any:
+    import flax.linen as nn
+
+    class MLP(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = nn.relu(nn.Dense(64)(x))
+            x = nn.relu(nn.Dense(64)(x))
+            return nn.Dense(1)(x)[:, 0]
+
+    return MLP()
+
+
+def init_state(mesh: Any, lr: float) -> tuple[Any, Any, dict[str, Any]]:
+    """(model, optimizer, state) with parameters replicated over ``mesh``."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    model, tx = _model(), optax.adam(lr)
+    repl = NamedSharding(mesh, PartitionSpec())
+    params = jax.jit(model.init, out_shardings=repl)(jax.random.key(0), jnp.zeros((1, FEATURES)))
+    return model, tx, {"params": params, "opt": jax.jit(tx.init, out_shardings=repl)(params)}
+
+
+def train_loop(config: dict[str, Any]) -> None:
+    """Data-parallel training over all hosts of the slice, checkpointing every ``every`` steps."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from rayslice.data import iter_jax_batches
+    from rayslice.train import get_checkpoint, get_dataset_shard, report
+
+    mesh = jax.make_mesh((jax.device_count(),), ("data",))
+    model, tx, state = init_state(mesh, config["lr"])
+    ckpt, data_state = get_checkpoint(), None
+    if ckpt is not None:
+        state, data_state = ckpt.restore(state), ckpt.data_state("data")
+
+    @jax.jit
+    def step(state, batch):
+        def loss_fn(p):
+            return jnp.mean((model.apply(p, batch["x"]) - batch["y"]) ** 2)
+
+        loss, grads = jax.value_and_grad(loss_fn)(state["params"])
+        updates, opt = tx.update(grads, state["opt"], state["params"])
+        return {"params": optax.apply_updates(state["params"], updates), "opt": opt}, loss
+
+    it = iter_jax_batches(get_dataset_shard("train"), batch_size=config["batch_size"], columns=["x", "y"],
+                          ragged="drop", state=data_state, sharding=NamedSharding(mesh, PartitionSpec("data")))
+    for batch in it:
+        state, loss = step(state, batch)
+        time.sleep(config.get("step_delay_s", 0.0))  # the demo slows down so a preemption can land mid-run
+        n = it.state()["batches"]
+        report({"loss": loss}, checkpoint={**state, "data": it} if n % config["every"] == 0 else None)
+
+
+def load_params(checkpoint_path: str, lr: float = 1e-3) -> Any:
+    """Restores trained parameters from a rayslice/Orbax checkpoint onto this process's mesh."""
+    import jax
+
+    from rayslice.train import Checkpoint
+
+    mesh = jax.make_mesh((jax.device_count(),), ("data",))
+    model, _, target = init_state(mesh, lr)
+    step = int(checkpoint_path.rstrip("/").rsplit("/", 1)[1])
+    state = Checkpoint(checkpoint_path, step).restore(target)
+    return model, state["params"]
+
+
+def predict(loaded: Any, batch: dict[str, Any]) -> Any:
+    model, params = loaded
+    return model.apply(params, batch["x"])
