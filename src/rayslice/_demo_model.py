@@ -100,3 +100,27 @@ def load_params(checkpoint_path: str, lr: float = 1e-3) -> Any:
 def predict(loaded: Any, batch: dict[str, Any]) -> Any:
     model, params = loaded
     return model.apply(params, batch["x"])
+
+
+class Regressor:
+    """The trained model behind an HTTP API: restored from a checkpoint on every host of a slice."""
+
+    def __init__(self, checkpoint_path: str) -> None:
+        self.checkpoint_path = checkpoint_path
+
+    def setup(self, ctx: Any) -> None:
+        import jax
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        self.model, self.params = load_params(self.checkpoint_path)
+        mesh = jax.make_mesh((jax.device_count(),), ("data",))
+        self.repl = NamedSharding(mesh, PartitionSpec())
+        self.forward = jax.jit(self.model.apply, out_shardings=self.repl)
+
+    def __call__(self, batch: dict[str, Any]) -> Any:
+        import jax
+
+        x = batch["x"]
+        # Every host holds the whole request batch: build the replicated input from local data.
+        gx = jax.make_array_from_callback(x.shape, self.repl, lambda idx: x[idx])
+        return {"y": self.forward(self.params, gx)}

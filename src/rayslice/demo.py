@@ -14,7 +14,8 @@ running on this machine:
    its hosts mid-run: the run resumes from its checkpoint on the other slice;
 8. the node pool replaces the lost slice; batch inference over every row with
    ``batch_predict`` (``iter_jax_batches`` on every host of a slice);
-9. summary, shut down, no Ray process left.
+9. serve the trained model with Ray Serve on a whole slice and query it over HTTP;
+10. summary, shut down, no Ray process left.
 """
 
 from __future__ import annotations
@@ -65,6 +66,64 @@ def _psum() -> float:
     x = jax.make_array_from_process_local_data(sharding, local)
     total = jax.jit(jnp.sum, out_shardings=NamedSharding(mesh, PartitionSpec()))(x)
     return float(total.addressable_data(0))
+
+
+def _leftover_processes() -> list[str]:
+    """Child processes still running after shutdown (killed, and named, if any)."""
+    import psutil
+
+    left = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if p.status() == psutil.STATUS_ZOMBIE:
+                continue
+            left.append(f"{p.name()}({p.pid})")
+            p.kill()
+        except psutil.NoSuchProcess:
+            continue
+    return left
+
+
+def _serve(console: Console, checkpoint_path: str, preds: Any) -> str:
+    import socket
+
+    import requests
+    from ray import serve
+
+    from rayslice import _demo_model
+    from rayslice import serve as slice_serve
+
+    _step(console, 10, "Serve the trained model on a whole slice (Ray Serve) and query it over HTTP")
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
+    try:
+        dep = slice_serve.deployment(accelerator_type="TPU-V4", accelerator_config={"type": "tpu", "topology": "2x2x2"},
+                                     input_spec={"x": ((_demo_model.FEATURES,), "float32")})(_demo_model.Regressor)
+        t0 = time.monotonic()
+        with console.status("deploying: reserve a slice, start 2 host processes, restore the checkpoint"):
+            serve.run(dep.bind(checkpoint_path), name="regressor", route_prefix="/regressor")
+        console.print(f"deployed in {time.monotonic() - t0:.1f} s at http://127.0.0.1:{port}/regressor")
+        rows = preds.head(4)
+        x = [list(map(float, v)) for v in rows["x"]] if "x" in rows else None
+        if x is None:  # batch_predict kept id and y only: rebuild the features for those ids
+            import numpy as np
+
+            x = _demo_model.make_features({"id": np.asarray(rows["id"])})["x"].tolist()
+        t0 = time.monotonic()
+        r = requests.post(f"http://127.0.0.1:{port}/regressor", json={"inputs": {"x": x}}, timeout=30)
+        ms = 1000 * (time.monotonic() - t0)
+        r.raise_for_status()
+        got = r.json()["outputs"]["y"]
+        console.print(f"POST /regressor {len(x)} rows -> {[round(v, 3) for v in got]} in {ms:.0f} ms "
+                      f"(labels {[round(float(v), 3) for v in rows['y']]})")
+        bad = requests.post(f"http://127.0.0.1:{port}/regressor", data=b"{oops", timeout=30)
+        console.print(f"malformed JSON -> HTTP {bad.status_code}: {bad.json()['error']}")
+        return f"HTTP on a 2-host slice, {len(x)} rows answered in {ms:.0f} ms, bad input -> {bad.status_code}"
+    finally:
+        serve.shutdown()
 
 
 def _step(console: Console, n: int, text: str) -> None:
@@ -128,10 +187,12 @@ def run_demo(console: Console) -> None:
 
         summary = _train_and_infer(console, sim)
     finally:
-        _step(console, 10, "Shut down")
+        _step(console, 11, "Shut down")
         with console.status("stopping the simulated cluster"):
             sim.shutdown()
-    lines = [f"demo finished in {time.monotonic() - t_start:.1f} s; cluster stopped, no processes left"]
+        left = _leftover_processes()
+    state = "no processes left" if not left else f"{len(left)} leftover process(es) killed: {left}"
+    lines = [f"demo finished in {time.monotonic() - t_start:.1f} s; cluster stopped, {state}"]
     lines += [f"{k}: {v}" for k, v in summary.items()] if "summary" in locals() else []
     console.print(Panel("\n".join(lines), title="summary", style="green"))
 
@@ -194,9 +255,11 @@ def _train_and_infer(console: Console, sim: Any) -> dict[str, str]:
     mse = float(((preds["prediction"] - preds["y"]) ** 2).mean())
     console.print(f"{len(preds)} predictions (of {test_ds.count()} rows, none padded) in {time.monotonic() - t0:.1f} s; "
                   f"test MSE {mse:.4f} (variance of y: {float(preds['y'].var()):.4f})")
+    served = _serve(console, result.checkpoint.path, preds)
     g = result.goodput
     return {"training": f"{g.steps} steps, loss {first:.3f} -> {last:.3f}, {result.preemptions} preemption recovered",
             "goodput": f"{100 * g.fraction:.1f}% productive of {g.wall_s:.1f} s "
                        f"(lost work {g.seconds['lost']:.1f} s, {g.lost_steps} steps recomputed)",
             "batch inference": f"{len(preds)} rows, test MSE {mse:.4f}",
+            "serving": served,
             "checkpoint": result.checkpoint.path}

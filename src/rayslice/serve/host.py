@@ -1,0 +1,60 @@
+"""What runs on each host of a serving slice (inside gang processes).
+
+The user's model object lives here, one per host, created after
+``jax.distributed`` is up; every request batch is run on every host (SPMD) and
+host 0 returns the result.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+_MODEL: Any = None
+
+
+def setup_model(user_cls: type, args: tuple, kwargs: dict) -> str:
+    """Creates the user's object on this host and runs its ``setup(ctx)``."""
+    global _MODEL
+    from rayslice.gang import host_context
+
+    obj = user_cls(*args, **kwargs)
+    setup = getattr(obj, "setup", None)
+    if callable(setup):
+        setup(host_context())
+    _MODEL = obj
+    return type(obj).__name__
+
+
+def _gather(value: Any) -> Any:
+    # A result sharded over several hosts is gathered so host 0 holds all of it
+    # (a collective: every host takes this same path).
+    import jax
+    from jax.experimental import multihost_utils
+
+    if isinstance(value, jax.Array) and not value.is_fully_addressable:
+        if value.is_fully_replicated:
+            return value.addressable_data(0)  # every host already holds all of it
+        return multihost_utils.process_allgather(value, tiled=True)
+    return value
+
+
+def infer(inputs: dict[str, np.ndarray], rows: int) -> dict[str, np.ndarray] | None:
+    """Runs the model on one (padded) batch; host 0 returns the first ``rows`` rows."""
+    import jax
+
+    if _MODEL is None:
+        raise RuntimeError("the model was not set up on this host")
+    out = _MODEL(inputs)
+    outs = out if isinstance(out, dict) else {"output": out}
+    outs = {k: _gather(v) for k, v in outs.items()}
+    if jax.process_index() != 0:
+        return None
+    result = {}
+    for k, v in outs.items():
+        arr = np.asarray(v)
+        if arr.ndim == 0 or arr.shape[0] < rows:
+            raise ValueError(f"output {k!r} has shape {arr.shape}; expected a leading batch dimension of {rows}+")
+        result[k] = arr[:rows]
+    return result

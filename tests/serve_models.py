@@ -1,0 +1,45 @@
+"""Models served by the serve tests (they run on the hosts of a slice)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from rayslice import serve as slice_serve
+
+WEIGHTS = np.arange(1, 9, dtype=np.float32)
+
+
+class Dot:
+    """y = x @ (scale * w), computed with x sharded over every device of every host."""
+
+    def __init__(self, scale: float = 1.0) -> None:
+        self.scale = scale
+
+    def setup(self, ctx) -> None:
+        import jax
+        from jax.sharding import NamedSharding, PartitionSpec as P
+
+        self.mesh = jax.make_mesh((jax.device_count(),), ("data",))
+        self.rows = NamedSharding(self.mesh, P("data"))
+        self.w = jax.device_put(WEIGHTS * self.scale, NamedSharding(self.mesh, P()))
+        self.f = jax.jit(lambda x, w: {"y": x @ w, "total": (x @ w).sum() * 0 + x.sum()},
+                         out_shardings={"y": self.rows, "total": NamedSharding(self.mesh, P())})
+        self.hosts = jax.process_count()
+
+    def __call__(self, batch):
+        import jax
+
+        x = batch["x"]
+        n, d = x.shape[0], jax.device_count()
+        padded = np.zeros((-(-n // d) * d, x.shape[1]), x.dtype)  # rows divisible over all devices
+        padded[:n] = x
+        gx = jax.make_array_from_callback(padded.shape, self.rows, lambda idx: padded[idx])
+        out = self.f(gx, self.w)
+        return {"y": out["y"], "hosts": np.full((padded.shape[0],), self.hosts, np.int32)}
+
+
+def expected(x: np.ndarray, scale: float = 1.0) -> np.ndarray:
+    return x.astype(np.float32) @ (WEIGHTS * scale)
+
+
+SPEC = {"x": ((8,), "float32")}
