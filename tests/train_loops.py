@@ -135,3 +135,24 @@ def overhead_loop(config: dict) -> None:
     bare = min(timed(False) for _ in range(3))
     reported = min(timed(True) for _ in range(3))
     report({"bare_s": bare, "reported_s": reported, "overhead": reported / bare - 1})
+
+
+def busy_loop(config: dict) -> None:
+    """Steps until a stop file appears (or a step limit): a job to observe while it runs."""
+    import jax
+    import jax.numpy as jnp
+
+    from rayslice.train import report
+
+    if config.get("profiler_server"):
+        import rayslice
+
+        rayslice.init_jax_profiler()
+    x = jnp.ones((128, 128))
+    f = jax.jit(lambda a: (a @ a).mean())
+    for i in range(config.get("max_steps", 2000)):
+        v = f(x + i)
+        time.sleep(config.get("sleep_s", 0.05))
+        report({"v": v})
+        if os.path.exists(config["stop_file"]):
+            break

@@ -6,7 +6,7 @@ Example:
     4
 """
 
-from rayslice import data
+from rayslice import data, metrics, profiler
 from rayslice.cluster import HostInfo, SliceInfo, list_slices, parse_slices
 from rayslice.errors import (
     GangError,
@@ -27,6 +27,7 @@ from rayslice.placement import (
     slice_placement_group,
 )
 from rayslice.planning import Plan, SliceVerdict, plan
+from rayslice.profiler import init_jax_profiler
 from rayslice.sim import SimulatedCluster, SliceSpec
 from rayslice.topology import GENERATIONS, Generation, Topology, generation, valid_topologies
 
@@ -59,10 +60,13 @@ __all__ = [
     "explain",
     "generation",
     "host_context",
+    "init_jax_profiler",
     "iter_jax_batches",
     "list_slices",
+    "metrics",
     "parse_slices",
     "plan",
+    "profiler",
     "run_on_slice",
     "slice_placement_group",
     "valid_topologies",

@@ -242,6 +242,29 @@ def sim_down(timeout_s: float = 60.0) -> None:
 
 
 @app.command()
+def profile(
+    name: Annotated[str, typer.Argument(help="Training run name or serve deployment name.")],
+    seconds: Annotated[float, typer.Option(help="Trace length.")] = 5.0,
+    output: Annotated[str | None, typer.Option(help="Root directory (default: the run's profiles/).")] = None,
+    address: str | None = None,
+) -> None:
+    """Capture a JAX trace on every host of a running job at once."""
+    import ray
+
+    from rayslice.profiler import capture
+
+    _connect(address)
+    try:
+        with err.status(f"tracing every host of {name} for {seconds:g} s"):
+            files = capture(name, seconds=seconds, output_dir=output)
+        for rank, paths in files.items():
+            traces = [p for p in paths if p.endswith((".xplane.pb", ".trace.json.gz"))]
+            console.print(f"host {rank}: {len(paths)} file(s)" + (f", e.g. {traces[0]}" if traces else ""))
+    finally:
+        ray.shutdown()
+
+
+@app.command()
 def demo() -> None:
     """Walk through rayslice on an embedded simulated cluster."""
     from rayslice.demo import run_demo

@@ -52,6 +52,7 @@ class HostContext:
     node_id: str
     devices_per_host: int
     coordinator_address: str | None = None
+    gang_name: str = ""
 
 
 _CONTEXT: HostContext | None = None
@@ -182,6 +183,8 @@ class SliceGang:
         env: Extra environment for every process.
         actor_options: Extra Ray actor options (e.g. ``max_concurrency=2`` so
             a process can answer while it runs a long call).
+        name: Names the processes (``<name>/<gang id>/<rank>``, namespace
+            ``rayslice``) so tools such as ``rayslice profile`` can find them.
 
     Example:
         >>> with slice_placement_group("2x2x2", "v4") as spg, SliceGang(spg) as gang:  # doctest: +SKIP
@@ -190,8 +193,10 @@ class SliceGang:
     """
 
     def __init__(self, spg: SlicePlacementGroup, *, init_jax: bool = True, init_timeout_s: float = 120.0,
-                 env: dict[str, str] | None = None, actor_options: dict[str, Any] | None = None) -> None:
+                 env: dict[str, str] | None = None, actor_options: dict[str, Any] | None = None,
+                 name: str | None = None) -> None:
         self.spg = spg
+        self.name = name
         self.actor_options = dict(actor_options or {})
         self.init_jax = init_jax
         self.init_timeout_s = init_timeout_s
@@ -203,15 +208,20 @@ class SliceGang:
     def start(self) -> SliceGang:
         import ray
 
+        import uuid
+
+        from rayslice.profiler import NAMESPACE, gang_actor_name
+
         topo = self.spg.topology
         actor_cls = ray.remote(_HostProcess)
         world = self.spg.num_hosts
+        gang_id = uuid.uuid4().hex[:8]
         try:
             for rank, (s, h) in enumerate(self.spg.hosts()):
                 ctx = HostContext(rank=rank, world_size=world, slice_index=s.slice_index, slice_name=s.name,
                                   worker_id=h.worker_id, num_slices=self.spg.num_slices,
                                   hosts_per_slice=len(s.hosts), node_id=h.node_id,
-                                  devices_per_host=topo.devices_per_host)
+                                  devices_per_host=topo.devices_per_host, gang_name=self.name or "")
                 env = {**host_environment(self.spg, s.slice_index, h.worker_id), **self.env}
                 actor = actor_cls.options(
                     num_cpus=0,
@@ -219,6 +229,7 @@ class SliceGang:
                     scheduling_strategy=self.spg.scheduling_strategy(s.slice_index, h.worker_id),
                     max_restarts=0,
                     max_task_retries=0,
+                    **({"name": gang_actor_name(self.name, gang_id, rank), "namespace": NAMESPACE} if self.name else {}),
                     **self.actor_options,
                 ).remote(env, ctx)
                 self.actors.append(actor)

@@ -39,6 +39,8 @@ _SIM_SYSTEM_CONFIG: dict[str, Any] = {
     "health_check_period_ms": 500,
     "health_check_timeout_ms": 500,
     "health_check_failure_threshold": 3,
+    # Metrics reach the Prometheus endpoint within ~1 s instead of ~10 s.
+    "metrics_report_interval_ms": 1000,
 }
 
 _SLICE_ARG = re.compile(

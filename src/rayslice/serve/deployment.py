@@ -115,9 +115,9 @@ class _ReplicaCore:
                                          timeout_s=cfg.reservation_timeout_s, name=f"serve-{user_cls.__name__}",
                                          progress=False)
         try:
-            self.gang = SliceGang(self.spg, init_timeout_s=cfg.init_timeout_s,
+            self.gang = SliceGang(self.spg, init_timeout_s=cfg.init_timeout_s, name=user_cls.__name__,
                                   actor_options={"max_concurrency": 2}).start()
-            self.gang.run(host.setup_model, user_cls, args, kwargs, timeout_s=cfg.init_timeout_s)
+            self.gang.run(host.setup_model, user_cls, args, kwargs, user_cls.__name__, timeout_s=cfg.init_timeout_s)
         except BaseException:
             self.close()
             raise

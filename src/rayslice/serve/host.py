@@ -12,18 +12,23 @@ from typing import Any
 import numpy as np
 
 _MODEL: Any = None
+_SAMPLER: Any = None
 
 
-def setup_model(user_cls: type, args: tuple, kwargs: dict) -> str:
+def setup_model(user_cls: type, args: tuple, kwargs: dict, deployment: str = "") -> str:
     """Creates the user's object on this host and runs its ``setup(ctx)``."""
-    global _MODEL
+    global _MODEL, _SAMPLER
     from rayslice.gang import host_context
+    from rayslice.metrics import HostSampler
 
+    ctx = host_context()
     obj = user_cls(*args, **kwargs)
     setup = getattr(obj, "setup", None)
     if callable(setup):
-        setup(host_context())
+        setup(ctx)
     _MODEL = obj
+    _SAMPLER = HostSampler({"slice": ctx.slice_name, "worker_id": str(ctx.worker_id),
+                            "run": deployment or type(obj).__name__}).start()
     return type(obj).__name__
 
 
@@ -44,11 +49,16 @@ def infer(inputs: dict[str, np.ndarray], rows: int) -> dict[str, np.ndarray] | N
     """Runs the model on one (padded) batch; host 0 returns the first ``rows`` rows."""
     import jax
 
+    import time
+
     if _MODEL is None:
         raise RuntimeError("the model was not set up on this host")
+    t0 = time.perf_counter()
     out = _MODEL(inputs)
     outs = out if isinstance(out, dict) else {"output": out}
     outs = {k: _gather(v) for k, v in outs.items()}
+    if _SAMPLER is not None:
+        _SAMPLER.record_step(time.perf_counter() - t0)
     if jax.process_index() != 0:
         return None
     result = {}

@@ -86,8 +86,11 @@ class JaxTrainer:
     # -- public --------------------------------------------------------
     def fit(self) -> Result:
         """Trains until the loop returns on every host, or the budgets run out."""
+        from rayslice.metrics import GoodputExporter
+
         rc = self.run_config
         tracker = GoodputTracker()
+        self._exporter = GoodputExporter(rc.name)
         history: list[dict[str, Any]] = []
         materialized = {k: _materialize_in_order(ds) for k, ds in self.datasets.items()}
         attempt, preemptions, failures = 0, 0, 0
@@ -121,6 +124,7 @@ class JaxTrainer:
             if status:
                 status.stop()
         goodput = tracker.finish()
+        self._exporter.export(goodput.seconds, goodput.fraction)
         step = latest_complete_step(rc.checkpoint_path)
         result = Result(
             metrics=history[-1]["metrics"] if history else None,
@@ -143,7 +147,7 @@ class JaxTrainer:
                                         chips_per_host=sc.chips_per_host, resources_per_host=sc.resources_per_host,
                                         timeout_s=sc.reservation_timeout_s, name=f"{rc.name}-{attempt}",
                                         progress=False)
-        gang = SliceGang(spg, init_timeout_s=sc.init_timeout_s, actor_options={"max_concurrency": 2})
+        gang = SliceGang(spg, init_timeout_s=sc.init_timeout_s, actor_options={"max_concurrency": 2}, name=rc.name)
         last_report = time.monotonic()
         try:
             self._status(status, f"attempt {attempt}: starting {spg.num_hosts} host processes on "
@@ -156,6 +160,7 @@ class JaxTrainer:
             refs = []
             for rank, (actor, hc) in enumerate(zip(gang.actors, gang.contexts)):
                 ctx = TrainContext(world_rank=rank, world_size=len(gang.actors), slice_index=hc.slice_index,
+                                   slice_name=hc.slice_name,
                                    num_slices=hc.num_slices, worker_id=hc.worker_id,
                                    hosts_per_slice=hc.hosts_per_slice, local_device_count=hc.devices_per_host,
                                    experiment_name=rc.name, run_path=rc.run_path, attempt=attempt)
@@ -184,6 +189,8 @@ class JaxTrainer:
             last = time.monotonic()
             tracker.on_reports(reports)
             history.extend(reports)
+            snap = tracker.snapshot()
+            self._exporter.export(snap.seconds, snap.fraction)
             for r in reports:
                 for cb in self.run_config.callbacks:
                     cb({"step": r["step"], "metrics": r["metrics"], "attempt": attempt})

@@ -98,6 +98,13 @@ class GoodputTracker:
         self.lost_steps += len(lost)
         self._uncommitted = []
 
+    def snapshot(self) -> Goodput:
+        """The components so far ("other" holds the rest of the elapsed time)."""
+        wall = self._clock() - self._start
+        seconds = dict(self.seconds)
+        seconds["other"] = max(0.0, wall - sum(v for k, v in seconds.items() if k != "other"))
+        return Goodput(wall_s=wall, seconds=seconds, steps=self.steps, lost_steps=self.lost_steps)
+
     def finish(self) -> Goodput:
         wall = self._clock() - self._start
         known = sum(v for k, v in self.seconds.items() if k != "other")

@@ -43,6 +43,7 @@ class TrainContext:
     experiment_name: str
     run_path: str
     attempt: int
+    slice_name: str = ""
     local_rank: int = 0  # one process per host
 
     # Ray Train style getters, for code written against ray.train.get_context().
@@ -73,6 +74,10 @@ class _Session:
         self.started = time.perf_counter()
         self.last = self.started
         self.first = True
+        from rayslice.metrics import HostSampler
+
+        self.sampler = HostSampler({"slice": ctx.slice_name, "worker_id": str(ctx.worker_id),
+                                    "run": ctx.experiment_name}).start()
 
 
 _SESSION: _Session | None = None
@@ -147,6 +152,7 @@ def report(metrics: Mapping[str, Any], checkpoint: Any = None) -> None:
         meta = {"step": step, "metrics": clean, "data_states": _gather_states(s, step, states),
                 "world_size": s.ctx.world_size}
         stall = s.writer.save(step, arrays, meta)
+    s.sampler.record_step(max(0.0, now - s.last))
     record = {"step": step, "metrics": clean, "step_s": now - s.last, "stall_s": stall,
               "first": s.first, "checkpointed": checkpoint is not None, "attempt": s.ctx.attempt}
     s.step, s.first = step, False
@@ -195,5 +201,6 @@ def run_worker(train_fn: Callable[..., Any], config: Any, ctx: TrainContext, inf
             train_fn(config)
         final_wait = _SESSION.writer.wait()  # the last async save must be complete before success
     finally:
+        _SESSION.sampler.stop()
         _SESSION.writer.close()
     return {"steps": _SESSION.step, "final_wait_s": final_wait}

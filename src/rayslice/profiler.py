@@ -1,0 +1,117 @@
+"""JAX profiles from every host of a slice at once.
+
+Gang processes of a training run or a serve deployment are named Ray actors
+(``<run or deployment>/<gang id>/<rank>`` in the ``rayslice`` namespace).
+:func:`capture` (and ``rayslice profile NAME --seconds N``) asks every one of
+them to record a JAX trace for the same ``N`` seconds, while the job runs, into
+``<run path>/profiles/<timestamp>/host-<rank>/`` (TensorBoard/XProf layout:
+``plugins/profile/<run>/*.xplane.pb``). No TensorFlow is needed.
+
+:func:`init_jax_profiler` (inside a worker) also starts JAX's profiler server
+and publishes its address, for tools that capture remotely (TensorBoard's
+"capture profile", ``xprof``).
+
+Example:
+    >>> import rayslice
+    >>> rayslice.profiler.capture("my-run", seconds=2)  # doctest: +SKIP
+    {0: ['/.../profiles/20261130-101500/host-0/plugins/profile/.../host.xplane.pb'], 1: [...]}
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from typing import Any
+
+NAMESPACE = "rayslice"
+_KV_PREFIX = b"rayslice/profiler/"
+
+
+def gang_actor_name(gang: str, gang_id: str, rank: int) -> str:
+    return f"{gang}/{gang_id}/{rank}"
+
+
+def init_jax_profiler(port: int | None = None) -> int:
+    """Starts JAX's profiler server in this gang process and publishes ``ip:port``.
+
+    Returns:
+        The port the server listens on.
+    """
+    import jax
+    import ray
+    from ray.experimental.internal_kv import _internal_kv_put
+
+    from rayslice.gang import host_context
+
+    if port is None:
+        with socket.socket() as s:  # the server binds it right after; local to this host
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+    jax.profiler.start_server(port)
+    ctx = host_context()
+    key = _KV_PREFIX + f"{ctx.gang_name}/{ctx.rank}".encode()
+    address = f"{ray.util.get_node_ip_address()}:{port}"
+    _internal_kv_put(key, json.dumps({"address": address, "slice": ctx.slice_name, "worker_id": ctx.worker_id}),
+                     overwrite=True, namespace=b"rayslice")
+    return port
+
+
+def _default_dir(gang: str) -> str:
+    # Runs in a gang process: a training run's storage, else the results root.
+    from rayslice.train import worker
+
+    session = worker._SESSION
+    if session is not None and session.ctx.experiment_name == gang:
+        return os.path.join(session.ctx.run_path, "profiles")
+    return os.path.join(os.path.expanduser("~/rayslice_results"), gang, "profiles")
+
+
+def _trace(directory: str, seconds: float) -> list[str]:
+    # Runs in a gang process, on its second thread while the job keeps running.
+    import jax
+
+    os.makedirs(directory, exist_ok=True)
+    jax.profiler.start_trace(directory)
+    try:
+        time.sleep(seconds)
+    finally:
+        jax.profiler.stop_trace()
+    return sorted(os.path.join(root, f) for root, _, files in os.walk(directory) for f in files)
+
+
+def gang_actors(gang: str) -> dict[int, Any]:
+    """The live gang processes of ``gang`` (a run or deployment name), by rank."""
+    import ray
+
+    named = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == NAMESPACE]
+    mine = sorted((n for n in named if n.startswith(f"{gang}/")), key=lambda n: (n.split("/")[1], int(n.rsplit("/", 1)[1])))
+    if not mine:
+        known = sorted({n.split("/")[0] for n in named})
+        raise ValueError(f"no running gang named {gang!r}; running: {', '.join(known) or 'none'}")
+    return {i: ray.get_actor(n, namespace=NAMESPACE) for i, n in enumerate(mine)}
+
+
+def capture(gang: str, seconds: float = 5.0, output_dir: str | None = None, timeout_s: float = 120.0) -> dict[int, list[str]]:
+    """Records a JAX trace on every host of ``gang`` at once.
+
+    Args:
+        gang: Training run name or serve deployment name.
+        seconds: Trace length.
+        output_dir: Root for the traces (default: the run's ``profiles/`` directory).
+        timeout_s: Deadline for every host to finish writing.
+
+    Returns:
+        The files written, per host rank.
+    """
+    import ray
+
+    if not seconds > 0:
+        raise ValueError(f"seconds={seconds} must be > 0")
+    actors = gang_actors(gang)
+    root = output_dir or ray.get(actors[0].call.remote(_default_dir, (gang,), {}), timeout=30)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    refs = {rank: a.call.remote(_trace, (os.path.join(root, stamp, f"host-{rank}"), seconds), {})
+            for rank, a in actors.items()}
+    return dict(zip(refs, ray.get(list(refs.values()), timeout=seconds + timeout_s)))
