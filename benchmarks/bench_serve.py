@@ -14,7 +14,6 @@ with concurrent clients. Added p50 = slice p50 - plain p50.
 
 from __future__ import annotations
 
-import socket
 import statistics
 import sys
 import time
@@ -130,11 +129,7 @@ def run(requests_n: int = 200, seconds: float = 5.0, clients: int = 8) -> dict[s
     from rayslice import serve as slice_serve
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])  # hosts cannot import benchmarks/
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
+    port = slice_serve.start_http()
     try:
         sliced = slice_serve.deployment(accelerator_type="TPU-V4", accelerator_config={"type": "tpu", "topology": "2x2x2"},
                                         input_spec={"x": ((8,), "float32")}, **BATCH)(MLP)

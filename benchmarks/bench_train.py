@@ -125,7 +125,7 @@ def overhead(steps: int = 300) -> dict[str, float]:
     assert r.error is None, r.error
     m = r.metrics
     return {"steps": steps, "bare_ms": 1000 * m["bare_s"] / steps, "reported_ms": 1000 * m["reported_s"] / steps,
-            "overhead": m["overhead"]}
+            "overhead": m["overhead"], "report_us": m["report_us"]}
 
 
 def recovery(sim: Any) -> dict[str, float]:

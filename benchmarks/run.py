@@ -19,6 +19,7 @@ sys.path.insert(0, HERE)
 
 import bench_data  # noqa: E402
 import bench_reservation  # noqa: E402
+import bench_serve  # noqa: E402
 import bench_train  # noqa: E402
 
 from rayslice.sim import SimulatedCluster, SliceSpec  # noqa: E402
@@ -55,6 +56,8 @@ def main() -> int:
             train = bench_train.compare(rounds=args.train_rounds)
         with console.status("trainer per-step overhead"):
             over = bench_train.overhead()
+        with console.status("serving latency and throughput"):
+            srv = bench_serve.run()
         with console.status("recovery after a lost host"):
             rec = bench_train.recovery(sim)  # last: it breaks a slice
     finally:
@@ -94,10 +97,18 @@ def main() -> int:
               f"<= {bench_train.GOAL_RATIO}x", _met(train["first_ratio"] <= bench_train.GOAL_RATIO))
     t.add_row("fit() total, 5-step loop", f"{ft['rayslice']:.2f} s", f"{ft['ray']:.2f} s", f"{train['fit_ratio']:.2f}x",
               f"<= {bench_train.GOAL_RATIO}x", _met(train["fit_ratio"] <= bench_train.GOAL_RATIO))
-    t.add_row(f"trainer per-step overhead ({over['steps']} steps, report() each)",
+    t.add_row(f"trainer per-step overhead ({over['steps']} steps, report() each; "
+              f"report() itself {over['report_us']:.1f} us)",
               f"{over['reported_ms']:.3f} ms/step", f"{over['bare_ms']:.3f} ms/step bare loop",
               f"{100 * over['overhead']:+.1f}%", f"<= {100 * bench_train.GOAL_OVERHEAD:g}%",
               _met(over["overhead"] <= bench_train.GOAL_OVERHEAD))
+    sl, pl = srv["slice"], srv["plain"]
+    t.add_row("serve p50 / p99 latency, 1-row HTTP requests", f"{sl['p50_ms']:.1f} / {sl['p99_ms']:.1f} ms",
+              f"{pl['p50_ms']:.1f} / {pl['p99_ms']:.1f} ms (plain Serve, one host)",
+              f"+{srv['added_p50_ms']:.2f} ms p50", f"<= +{bench_serve.GOAL_ADDED_P50_MS:g} ms",
+              _met(srv["added_p50_ms"] <= bench_serve.GOAL_ADDED_P50_MS))
+    t.add_row("serve throughput, 8 concurrent clients", f"{sl['rps']:.0f} req/s", f"{pl['rps']:.0f} req/s",
+              f"{sl['rps'] / pl['rps']:.2f}x", "(info)", "-")
     t.add_row("recovery: host lost -> next step completed", f"{rec['recovery_s']:.1f} s", "", "-",
               f"<= {bench_train.GOAL_RECOVERY_S:g} s", _met(rec["recovery_s"] <= bench_train.GOAL_RECOVERY_S))
     console.print(t)

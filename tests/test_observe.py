@@ -12,7 +12,7 @@ import time
 import pytest
 import requests
 
-from rayslice.metrics import HostSampler, jax_memory_stats
+from rayslice.metrics import HostSampler
 from rayslice.train import JaxTrainer, RunConfig, ScalingConfig
 
 from . import train_loops
@@ -30,8 +30,6 @@ class _Background:
                                   scaling_config=ScalingConfig(topology="2x2x2", accelerator_type="TPU-V4"),
                                   run_config=RunConfig(name=name, storage_path=str(tmp_path), progress=False))
         self.result = None
-        self.steps = 0
-        self.trainer.run_config.callbacks  # noqa: B018
         self.thread = threading.Thread(target=self._run)
 
     def _run(self):

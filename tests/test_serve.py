@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -30,11 +29,7 @@ def serving(sim):
     from ray import serve
 
     names = [sim.add_slice(SliceSpec("v6e", "2x4", chips_per_host=4, name=f"serve-{i}")) for i in range(2)]
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
+    port = slice_serve.start_http()
     try:
         yield {"port": port, "slices": names, "sim": sim}
     finally:

@@ -123,18 +123,29 @@ def overhead_loop(config: dict) -> None:
     f(x).block_until_ready()
     n = config.get("steps", 200)
 
+    inside = []
+
     def timed(with_report: bool) -> float:
         t0 = time.perf_counter()
         for i in range(n):
             v = f(x)
             v.block_until_ready()
             if with_report:
+                t1 = time.perf_counter()
                 report({"v": v, "i": i})
+                inside.append(time.perf_counter() - t1)
         return time.perf_counter() - t0
 
-    bare = min(timed(False) for _ in range(3))
-    reported = min(timed(True) for _ in range(3))
-    report({"bare_s": bare, "reported_s": reported, "overhead": reported / bare - 1})
+    # Interleaved rounds; the median of per-round ratios (noise hits both alike).
+    ratios, bare, reported = [], [], []
+    for _ in range(config.get("rounds", 9)):
+        b, r = timed(False), timed(True)
+        bare.append(b)
+        reported.append(r)
+        ratios.append(r / b)
+    ratios.sort()
+    report({"bare_s": sorted(bare)[len(bare) // 2], "reported_s": sorted(reported)[len(reported) // 2],
+            "overhead": ratios[len(ratios) // 2] - 1, "report_us": 1e6 * sorted(inside)[len(inside) // 2]})
 
 
 def busy_loop(config: dict) -> None:

@@ -12,6 +12,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -20,6 +21,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -62,8 +64,9 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _connect(address: str | None) -> str:
-    """Connects ``ray`` to the given cluster, the running simulator, or RAY_ADDRESS."""
+@contextlib.contextmanager
+def _connected(address: str | None) -> Iterator[str]:
+    """Connects ``ray`` to the given cluster, the running simulator, or RAY_ADDRESS; disconnects after."""
     import ray
 
     state = _read_state()
@@ -77,7 +80,10 @@ def _connect(address: str | None) -> str:
         ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
     except ConnectionError as e:
         raise RaysliceError(f"cannot connect to Ray at {address}: {e}") from None
-    return address
+    try:
+        yield address
+    finally:
+        ray.shutdown()
 
 
 @app.command()
@@ -105,8 +111,7 @@ def status(address: Annotated[str | None, typer.Option(help="Ray address (defaul
     from rayslice.cluster import list_slices
     from rayslice.placement import PG_NAME_PREFIX, waiting_reservations
 
-    addr = _connect(address)
-    try:
+    with _connected(address) as addr:
         console.print(f"cluster: {addr}")
         console.print(slices_table(list_slices()))
         groups = []
@@ -115,8 +120,6 @@ def status(address: Annotated[str | None, typer.Option(help="Ray address (defaul
                 _, job, slice_name = pg["name"].split(":", 2)
                 groups.append({"name": job, "slice": slice_name, "state": pg["state"], "bundles": len(pg["bundles"])})
         console.print(reservations_table(groups, waiting_reservations()))
-    finally:
-        ray.shutdown()
 
 
 @app.command()
@@ -128,15 +131,10 @@ def explain(
     address: str | None = None,
 ) -> None:
     """Why each slice could or could not take a reservation right now."""
-    import ray
-
     from rayslice.placement import explain as explain_plan
 
-    _connect(address)
-    try:
+    with _connected(address):
         console.print(explain_plan(shape, accelerator, num_slices=num_slices, chips_per_host=chips_per_host).explain())
-    finally:
-        ray.shutdown()
 
 
 @sim_app.command("up")
@@ -249,19 +247,43 @@ def profile(
     address: str | None = None,
 ) -> None:
     """Capture a JAX trace on every host of a running job at once."""
-    import ray
-
     from rayslice.profiler import capture
 
-    _connect(address)
-    try:
-        with err.status(f"tracing every host of {name} for {seconds:g} s"):
-            files = capture(name, seconds=seconds, output_dir=output)
-        for rank, paths in files.items():
-            traces = [p for p in paths if p.endswith((".xplane.pb", ".trace.json.gz"))]
-            console.print(f"host {rank}: {len(paths)} file(s)" + (f", e.g. {traces[0]}" if traces else ""))
-    finally:
-        ray.shutdown()
+    with _connected(address), err.status(f"tracing every host of {name} for {seconds:g} s"):
+        files = capture(name, seconds=seconds, output_dir=output)
+    for rank, paths in files.items():
+        traces = [p for p in paths if p.endswith((".xplane.pb", ".trace.json.gz"))]
+        console.print(f"host {rank}: {len(paths)} file(s)" + (f", e.g. {traces[0]}" if traces else ""))
+
+
+@app.command()
+def k8s(
+    kind: Annotated[str, typer.Argument(help="raycluster, rayjob or rayservice.")],
+    accelerator: Annotated[str, typer.Option(help="Generation, e.g. v6e, TPU-V4.")],
+    topology: Annotated[str, typer.Option(help="Slice shape, e.g. 4x4.")],
+    image: Annotated[str, typer.Option(help="Container image with rayslice (see docker/).")],
+    slices: Annotated[int, typer.Option(help="Slices (worker group replicas).")] = 1,
+    name: Annotated[str, typer.Option(help="Resource name (DNS-1035 label).")] = "rayslice",
+    entrypoint: Annotated[str | None, typer.Option(help="Job command (rayjob).")] = None,
+    chips_per_host: int | None = None,
+    autoscale: Annotated[bool, typer.Option(help="Start at 0 slices; the autoscaler adds whole slices.")] = False,
+    namespace: str | None = None,
+    check: Annotated[bool, typer.Option(help="Validate against the KubeRay CRDs when they can be found.")] = True,
+) -> None:
+    """Print a KubeRay manifest for GKE TPU node pools."""
+    from rayslice.k8s import ClusterSpec, find_crd_dir, manifest, to_yaml, validate
+
+    spec = ClusterSpec(accelerator, topology, image=image, num_slices=slices, name=name, entrypoint=entrypoint,
+                       chips_per_host=chips_per_host, enable_autoscaling=autoscale, namespace=namespace)
+    doc = manifest(kind, spec)
+    if check:
+        try:
+            crds = find_crd_dir()
+        except FileNotFoundError:
+            err.print("[yellow]note: KubeRay CRDs not found; manifest not validated[/yellow]")
+        else:
+            validate(doc, crds)
+    console.print(to_yaml(doc), end="", markup=False, highlight=False, soft_wrap=True)
 
 
 @app.command()

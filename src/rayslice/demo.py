@@ -85,8 +85,6 @@ def _leftover_processes() -> list[str]:
 
 
 def _serve(console: Console, checkpoint_path: str, preds: Any) -> str:
-    import socket
-
     import requests
     from ray import serve
 
@@ -94,11 +92,7 @@ def _serve(console: Console, checkpoint_path: str, preds: Any) -> str:
     from rayslice import serve as slice_serve
 
     _step(console, 10, "Serve the trained model on a whole slice (Ray Serve) and query it over HTTP")
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
+    port = slice_serve.start_http()
     try:
         dep = slice_serve.deployment(accelerator_type="TPU-V4", accelerator_config={"type": "tpu", "topology": "2x2x2"},
                                      input_spec={"x": ((_demo_model.FEATURES,), "float32")})(_demo_model.Regressor)

@@ -127,6 +127,7 @@ class HostSampler:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._busy_s = 0.0
+        self._last_step: float | None = None
         self._window_start = clock()
         self._lock = threading.Lock()
         self.sources: dict[str, bool] = {}
@@ -142,13 +143,14 @@ class HostSampler:
                 _warn_once(name, why or "no data")
 
     def record_step(self, seconds: float) -> None:
-        """One step took ``seconds`` on this host (feeds step time and the derived duty cycle)."""
-        try:
-            _Gauges.get().step.set(float(seconds), tags=self._t("host"))
-            with self._lock:
-                self._busy_s += max(0.0, float(seconds))
-        except Exception as e:  # metrics must never break a step
-            _warn_once("step-time", str(e))
+        """One step took ``seconds`` on this host (feeds step time and the derived duty cycle).
+
+        On the hot path: it only updates two numbers; the sampling thread
+        exports them, so a step never waits on the metrics pipeline.
+        """
+        with self._lock:
+            self._last_step = seconds
+            self._busy_s += max(0.0, seconds)
 
     def sample(self) -> None:
         """Takes one sample now."""
@@ -163,14 +165,16 @@ class HostSampler:
             g.mem_total.set(d["memory_total"], tags=self._t(str(i)))
             if "duty_cycle" in d:
                 g.duty.set(d["duty_cycle"], tags=self._t(str(i)))
-        if chips is None:
+        now = self._clock()
+        with self._lock:
+            busy, self._busy_s = self._busy_s, 0.0
+            span, self._window_start = now - self._window_start, now
+            last, self._last_step = self._last_step, None
+        if last is not None:
+            g.step.set(float(last), tags=self._t("host"))
+        if chips is None and span > 0:
             # Derived duty cycle: the share of wall time this host spent in steps.
-            now = self._clock()
-            with self._lock:
-                busy, self._busy_s = self._busy_s, 0.0
-                span, self._window_start = now - self._window_start, now
-            if span > 0:
-                g.duty.set(min(1.0, busy / span), tags=self._t("host"))
+            g.duty.set(min(1.0, busy / span), tags=self._t("host"))
         try:
             import psutil
 

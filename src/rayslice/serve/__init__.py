@@ -7,7 +7,7 @@ Example:
 """
 
 from rayslice.serve.builder import app, build
-from rayslice.serve.deployment import SliceServeConfig, deployment
+from rayslice.serve.deployment import SliceServeConfig, deployment, start_http
 from rayslice.serve.schema import InputSpec, RequestError
 
-__all__ = ["InputSpec", "RequestError", "SliceServeConfig", "app", "build", "deployment"]
+__all__ = ["InputSpec", "RequestError", "SliceServeConfig", "app", "build", "deployment", "start_http"]

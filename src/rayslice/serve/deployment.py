@@ -253,6 +253,29 @@ def make_replica_class(user_cls: type, cfg: SliceServeConfig) -> type:
     return SliceReplica
 
 
+def start_http(port: int | None = None, host: str = "127.0.0.1") -> int:
+    """Starts Ray Serve with its HTTP proxy on the head node only, at an explicit port.
+
+    Args:
+        port: The port; when None, one the OS reports free is used (a short
+            race with other programs, acceptable for tests and demos).
+        host: Interface to listen on.
+
+    Returns:
+        The port the proxy listens on.
+    """
+    import socket
+
+    from ray import serve
+
+    if port is None:
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+    serve.start(proxy_location="HeadOnly", http_options={"host": host, "port": port})
+    return port
+
+
 def deployment(_cls: type | None = None, *, accelerator_type: str, accelerator_config: Mapping[str, Any],
                input_spec: Mapping[str, Any] | InputSpec | None = None, reservation_timeout_s: float = 60.0,
                init_timeout_s: float = 120.0, request_timeout_s: float = 30.0, max_batch_size: int = 32,

@@ -142,9 +142,10 @@ def report(metrics: Mapping[str, Any], checkpoint: Any = None) -> None:
     s = _session()
     now = time.perf_counter()
     step = s.step + 1
-    # Device scalars stay as they are here: converting them would wait for the
-    # step to finish. The driver's drain converts them, off the training thread.
-    clean = dict(metrics)
+    # Computed values become Python scalars now (cheap, and no device buffer is
+    # kept alive); values still being computed stay as they are, since reading
+    # them would wait for the step: the driver's drain converts them later.
+    clean = {k: (_scalar(v) if _is_ready(v) else v) for k, v in metrics.items()}
     stall = 0.0
     if checkpoint is not None:
         clean = {k: _scalar(v) for k, v in clean.items()}
