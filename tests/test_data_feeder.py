@@ -191,3 +191,14 @@ def test_bad_arguments(kwargs, message):
 def test_a_single_batch_is_not_a_source():
     with pytest.raises(TypeError, match="wrap it in a list"):
         list(iter_jax_batches({"id": np.arange(8)}, batch_size=8))
+
+
+def test_host_columns_stay_on_the_host_exactly():
+    ids = np.arange(2**40, 2**40 + 12, dtype=np.int64)
+    src = [{"id": ids, "x": np.ones((12, 2), np.float32), "name": np.array([f"r{i}" for i in range(12)])}]
+    batches = list(iter_jax_batches(src, batch_size=8, ragged="pad", host_columns=["id", "name"]))
+    assert isinstance(batches[0]["id"], np.ndarray) and batches[0]["id"].dtype == np.int64
+    assert not isinstance(batches[0]["x"], np.ndarray)  # a jax.Array on the devices
+    real = np.concatenate([b["id"][np.asarray(b["mask"])] for b in batches])
+    np.testing.assert_array_equal(real, ids)  # no int32 truncation
+    assert batches[1]["name"][:4].tolist() == ["r8", "r9", "r10", "r11"]

@@ -96,13 +96,14 @@ def test_batch_predict_every_row_once_aligned(ray_cluster):
     import ray
 
     n = 203
+    big = 2**40  # ids beyond int32: they must come back exactly
     ds = ray.data.range(n).map_batches(
-        lambda b: {"id": b["id"], "x": b["id"].astype(np.float32), "v": np.ones((len(b["id"]), 3), np.float32)})
+        lambda b: {"id": b["id"] + big, "x": b["id"].astype(np.float32), "v": np.ones((len(b["id"]), 3), np.float32)})
     out = rayslice.data.batch_predict(ds, _double, topology="2x2x2", accelerator_type="TPU-V4", batch_size=8,
                                       input_columns=["x", "v"], keep_columns=["id"])
     rows = out.take_all()
     assert len(rows) == n  # no padded row leaks
-    by_id = {r["id"]: r for r in rows}
+    by_id = {r["id"] - big: r for r in rows}
     assert sorted(by_id) == list(range(n))
     assert all(by_id[i]["y"] == 2.0 * i and by_id[i]["norm"] == 3.0 for i in range(n))
     assert set(rows[0]) == {"id", "y", "norm"}

@@ -105,11 +105,13 @@ def test_profile_writes_a_trace_for_every_host(ray_cluster, tmp_path):
         out = subprocess.run([sys.executable, "-m", "rayslice.cli", "profile", "profiled", "--seconds", "1",
                               "--address", ray_cluster.address], capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "host 0:" in out.stdout and "host 1:" in out.stdout
+    assert "-host-0:" in out.stdout and "-host-1:" in out.stdout
     root = tmp_path / "profiled" / "profiles"
     (stamp,) = os.listdir(root)
-    for rank in (0, 1):
-        files = [f for _, _, fs in os.walk(root / stamp / f"host-{rank}") for f in fs]
+    hosts = sorted(os.listdir(root / stamp))
+    assert [h.rsplit("-", 1)[1] for h in hosts] == ["0", "1"] and len({h.split("-")[0] for h in hosts}) == 1
+    for host in hosts:
+        files = [f for _, _, fs in os.walk(root / stamp / host) for f in fs]
         assert any(f.endswith(".xplane.pb") for f in files), files
     assert bg.result.error is None
 

@@ -149,3 +149,5 @@ def test_bad_request_names_the_value(ray_cluster):
         rayslice.slice_placement_group("4x5", "TPU-V6E")
     with pytest.raises(ValueError, match="num_slices=0"):
         rayslice.slice_placement_group("2x2x2", "TPU-V4", num_slices=0)
+    with pytest.raises(ValueError, match="must not contain ':'"):
+        rayslice.slice_placement_group("2x2x2", "TPU-V4", name="a:b")

@@ -223,3 +223,20 @@ def test_config_errors_name_the_value():
         slice_serve.deployment(accelerator_type="v6e", accelerator_config={"type": "tpu"})
     with pytest.raises(ValueError, match="dtype 'object' is not numeric"):
         slice_serve.InputSpec.parse({"x": ((2,), "object")})
+
+
+def test_a_model_error_is_500_and_the_replica_stays(serving):
+    from ray import serve
+
+    dep = slice_serve.deployment(accelerator_type="TPU-V6E", accelerator_config=V6E, input_spec=SPEC,
+                                 max_batch_size=4)(serve_models.Picky)
+    serve.run(dep.bind(), name="picky", route_prefix="/picky")
+    bad = _post(serving, "/picky", {"inputs": {"x": [[-1] * 8]}})
+    assert bad.status_code == 500 and "the model raised" in bad.text and "negative inputs" in bad.text
+    assert _post(serving, "/picky", {"inputs": {"x": [[1] * 8]}}).json()["outputs"]["y"] == [36.0]
+    too_many = _post(serving, "/picky", {"inputs": {"x": [[1] * 8] * 5}})
+    assert too_many.status_code == 413 and "limit is 4" in too_many.text
+    time.sleep(3)  # a health-check period: the replica was not marked broken
+    assert str(serve.status().applications["picky"].status).endswith("RUNNING")
+    assert _post(serving, "/picky", {"inputs": {"x": [[2] * 8]}}).status_code == 200
+    serve.delete("picky")

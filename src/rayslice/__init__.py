@@ -16,6 +16,7 @@ from rayslice.errors import (
     ReservationError,
     ReservationTimeout,
     classify,
+    describe,
 )
 from rayslice.data import batch_predict, iter_jax_batches
 from rayslice.gang import HostContext, SliceGang, host_context, run_on_slice
@@ -57,6 +58,7 @@ __all__ = [
     "batch_predict",
     "classify",
     "data",
+    "describe",
     "explain",
     "generation",
     "host_context",

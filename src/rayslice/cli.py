@@ -251,9 +251,9 @@ def profile(
 
     with _connected(address), err.status(f"tracing every host of {name} for {seconds:g} s"):
         files = capture(name, seconds=seconds, output_dir=output)
-    for rank, paths in files.items():
+    for host, paths in files.items():
         traces = [p for p in paths if p.endswith((".xplane.pb", ".trace.json.gz"))]
-        console.print(f"host {rank}: {len(paths)} file(s)" + (f", e.g. {traces[0]}" if traces else ""))
+        console.print(f"{host}: {len(paths)} file(s)" + (f", e.g. {traces[0]}" if traces else ""))
 
 
 @app.command()

@@ -93,3 +93,20 @@ def classify(exc: BaseException) -> Outcome:
 
 def _init_failed(exc: BaseException) -> bool:
     return bool(getattr(exc, "actor_init_failed", False))
+
+
+def describe(exc: BaseException | None) -> str:
+    """One line for a failure: the user's own exception when Ray wrapped one.
+
+    Example:
+        >>> describe(ValueError("bad batch"))
+        'ValueError: bad batch'
+    """
+    if exc is None:
+        return ""
+    cause = getattr(exc, "cause", None)
+    if isinstance(cause, BaseException) and cause is not exc:
+        exc = cause
+    lines = str(exc).strip().splitlines()
+    text = lines[0] if lines else ""
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

@@ -65,8 +65,8 @@ def host_context() -> HostContext:
     return _CONTEXT
 
 
-def host_environment(spg: SlicePlacementGroup, slice_index: int, worker_id: int) -> dict[str, str]:
-    """The TPU environment for one host of a reservation (pure).
+def gang_environment(spg: SlicePlacementGroup, slice_index: int, worker_id: int) -> dict[str, str]:
+    """The TPU environment a gang process sets for one host of a reservation (pure).
 
     Example:
         >>> # {'TPU_WORKER_ID': '1', 'TPU_WORKER_HOSTNAMES': '10.0.0.1,10.0.0.2', ...}
@@ -222,7 +222,7 @@ class SliceGang:
                                   worker_id=h.worker_id, num_slices=self.spg.num_slices,
                                   hosts_per_slice=len(s.hosts), node_id=h.node_id,
                                   devices_per_host=topo.devices_per_host, gang_name=self.name or "")
-                env = {**host_environment(self.spg, s.slice_index, h.worker_id), **self.env}
+                env = {**gang_environment(self.spg, s.slice_index, h.worker_id), **self.env}
                 actor = actor_cls.options(
                     num_cpus=0,
                     resources={"TPU": float(topo.chips_per_host)},
@@ -331,9 +331,14 @@ def run_on_slice(
     chips_per_host: int | None = None,
     timeout_s: float = 300.0,
     init_timeout_s: float = 120.0,
+    run_timeout_s: float | None = None,
     fn_kwargs: dict[str, Any] | None = None,
 ) -> list[Any]:
     """Reserves slices, runs ``fn(*args)`` once per host with JAX up, releases.
+
+    ``timeout_s`` bounds the wait for slices, ``init_timeout_s`` the start of
+    the processes, ``run_timeout_s`` (None: no limit) the run of ``fn``;
+    keyword arguments for ``fn`` go in ``fn_kwargs``.
 
     Returns:
         Per-host results in (slice, worker id) order.
@@ -349,4 +354,4 @@ def run_on_slice(
     with slice_placement_group(topology, accelerator_type, num_slices=num_slices,
                                chips_per_host=chips_per_host, timeout_s=timeout_s) as spg:
         with SliceGang(spg, init_timeout_s=init_timeout_s) as gang:
-            return gang.run(fn, *args, **(fn_kwargs or {}))
+            return gang.run(fn, *args, timeout_s=run_timeout_s, **(fn_kwargs or {}))

@@ -304,6 +304,8 @@ def slice_placement_group(
     if "TPU" in extra:
         raise ValueError("resources_per_host must not contain 'TPU': chips per host come from the topology")
     name = name or f"job-{uuid.uuid4().hex[:8]}"
+    if ":" in name or not name.strip():
+        raise ValueError(f"name {name!r} is not valid: it must be non-empty and must not contain ':'")
     deadline = Deadline(timeout_s, clock=clock, sleep=sleep)
     display = WaitDisplay(f"reserving {num_slices} x {topo}", enabled=progress, clock=clock)
     if autoscale is None:

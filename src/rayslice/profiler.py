@@ -4,7 +4,7 @@ Gang processes of a training run or a serve deployment are named Ray actors
 (``<run or deployment>/<gang id>/<rank>`` in the ``rayslice`` namespace).
 :func:`capture` (and ``rayslice profile NAME --seconds N``) asks every one of
 them to record a JAX trace for the same ``N`` seconds, while the job runs, into
-``<run path>/profiles/<timestamp>/host-<rank>/`` (TensorBoard/XProf layout:
+``<run path>/profiles/<timestamp>/<gang id>-host-<rank>/`` (TensorBoard/XProf layout:
 ``plugins/profile/<run>/*.xplane.pb``). No TensorFlow is needed.
 
 :func:`init_jax_profiler` (inside a worker) also starts JAX's profiler server
@@ -81,19 +81,24 @@ def _trace(directory: str, seconds: float) -> list[str]:
     return sorted(os.path.join(root, f) for root, _, files in os.walk(directory) for f in files)
 
 
-def gang_actors(gang: str) -> dict[int, Any]:
-    """The live gang processes of ``gang`` (a run or deployment name), by rank."""
+def gang_actors(gang: str) -> dict[str, Any]:
+    """The live gang processes of ``gang`` (a run or deployment name), keyed ``<gang id>-host-<rank>``.
+
+    Several gangs can share a name (the replicas of one deployment): each keeps
+    its own id, so ranks are never mixed up.
+    """
     import ray
 
     named = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == NAMESPACE]
-    mine = sorted((n for n in named if n.startswith(f"{gang}/")), key=lambda n: (n.split("/")[1], int(n.rsplit("/", 1)[1])))
+    mine = [n for n in named if n.startswith(f"{gang}/")]
     if not mine:
         known = sorted({n.split("/")[0] for n in named})
         raise ValueError(f"no running gang named {gang!r}; running: {', '.join(known) or 'none'}")
-    return {i: ray.get_actor(n, namespace=NAMESPACE) for i, n in enumerate(mine)}
+    keys = {n: f"{n.split('/')[1]}-host-{int(n.rsplit('/', 1)[1])}" for n in mine}
+    return {keys[n]: ray.get_actor(n, namespace=NAMESPACE) for n in sorted(mine, key=keys.get)}
 
 
-def capture(gang: str, seconds: float = 5.0, output_dir: str | None = None, timeout_s: float = 120.0) -> dict[int, list[str]]:
+def capture(gang: str, seconds: float = 5.0, output_dir: str | None = None, timeout_s: float = 120.0) -> dict[str, list[str]]:
     """Records a JAX trace on every host of ``gang`` at once.
 
     Args:
@@ -103,15 +108,15 @@ def capture(gang: str, seconds: float = 5.0, output_dir: str | None = None, time
         timeout_s: Deadline for every host to finish writing.
 
     Returns:
-        The files written, per host rank.
+        The files written, per host (``<gang id>-host-<rank>``).
     """
     import ray
 
     if not seconds > 0:
         raise ValueError(f"seconds={seconds} must be > 0")
     actors = gang_actors(gang)
-    root = output_dir or ray.get(actors[0].call.remote(_default_dir, (gang,), {}), timeout=30)
+    first = next(iter(actors.values()))
+    root = output_dir or ray.get(first.call.remote(_default_dir, (gang,), {}), timeout=30)
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    refs = {rank: a.call.remote(_trace, (os.path.join(root, stamp, f"host-{rank}"), seconds), {})
-            for rank, a in actors.items()}
+    refs = {key: a.call.remote(_trace, (os.path.join(root, stamp, key), seconds), {}) for key, a in actors.items()}
     return dict(zip(refs, ray.get(list(refs.values()), timeout=seconds + timeout_s)))

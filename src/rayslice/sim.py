@@ -174,7 +174,8 @@ class SimulatedCluster:
         head_cpus: Logical CPUs of the head node (drivers, Serve, Ray Data).
         object_store_mb: Object store size of every node, in MiB.
         connect: Connect this process's ``ray`` to the cluster on start.
-        include_dashboard: Start Ray's dashboard (needed for metrics scraping).
+        include_dashboard: Start Ray's dashboard (the state API and web UI; each
+            node's Prometheus endpoint works without it).
         dashboard_port: Explicit dashboard port (0 lets the OS choose).
         metrics_export_port: Explicit Prometheus port of the head node.
         temp_dir: Root for Ray's session files; a private temp dir by default.

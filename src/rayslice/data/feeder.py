@@ -121,7 +121,8 @@ class JaxBatchIterator(Iterator[dict[str, Any]]):
 
     def __init__(self, source: Any, *, batch_size: int, sharding: Any, ragged: str, pad_value: Any,
                  prefetch: int, dtypes: Any, columns: Sequence[str] | None, state: Mapping[str, Any] | None,
-                 agree: bool | None, agreement_timeout_s: float, mask_key: str, agree_window: int) -> None:
+                 agree: bool | None, agreement_timeout_s: float, mask_key: str, agree_window: int,
+                 host_columns: Sequence[str] = ()) -> None:
         import jax
         from jax.sharding import NamedSharding, PartitionSpec
 
@@ -136,6 +137,7 @@ class JaxBatchIterator(Iterator[dict[str, Any]]):
         self.pad_value = pad_value
         self.dtypes = dtypes
         self.mask_key = mask_key
+        self.host_columns = frozenset(host_columns)
         self.process_count = jax.process_count()
         if sharding is None:
             # jax.make_mesh, as JAX recommends, so the default matches a mesh
@@ -175,12 +177,13 @@ class JaxBatchIterator(Iterator[dict[str, Any]]):
     def _to_global(self, batch: Batch) -> dict[str, Any]:
         import jax
 
+        host = {k: v for k, v in batch.items() if k in self.host_columns}
         if self.process_count == 1:
             # Same result, and measurably faster than the multi-process path.
-            return {k: jax.device_put(v, self.sharding) for k, v in batch.items()}
+            return {**{k: jax.device_put(v, self.sharding) for k, v in batch.items() if k not in host}, **host}
         shape0 = (self.global_batch,)
-        return {k: jax.make_array_from_process_local_data(self.sharding, v, shape0 + v.shape[1:])
-                for k, v in batch.items()}
+        return {**{k: jax.make_array_from_process_local_data(self.sharding, v, shape0 + v.shape[1:])
+                   for k, v in batch.items() if k not in host}, **host}
 
     def _read_ahead(self, pending: collections.deque, want: int) -> None:
         """Fills ``pending`` with up to ``want`` cast host batches."""
@@ -308,6 +311,7 @@ def iter_jax_batches(
     agreement_timeout_s: float = 600.0,
     mask_key: str = "mask",
     agree_window: int = 8,
+    host_columns: Sequence[str] = (),
 ) -> JaxBatchIterator:
     """Global, device-sharded ``jax.Array`` batches from Ray Data (or any batch iterable).
 
@@ -336,6 +340,9 @@ def iter_jax_batches(
         mask_key: Name of the mask array under ``"pad"``.
         agree_window: Steps covered by one agreement exchange (each host
             reads that many host batches ahead, in host memory).
+        host_columns: Columns kept as numpy arrays of this host's
+            ``batch_size`` rows (padded like the rest under ``"pad"``), never
+            sent to devices: ids, strings, anything to carry next to a step.
 
     Returns:
         A :class:`JaxBatchIterator` of ``dict[str, jax.Array]``.
@@ -354,4 +361,4 @@ def iter_jax_batches(
     return JaxBatchIterator(source, batch_size=batch_size, sharding=sharding, ragged=ragged,
                             pad_value=pad_value, prefetch=prefetch, dtypes=dtypes, columns=columns,
                             state=state, agree=agree, agreement_timeout_s=agreement_timeout_s,
-                            mask_key=mask_key, agree_window=agree_window)
+                            mask_key=mask_key, agree_window=agree_window, host_columns=host_columns)

@@ -74,16 +74,21 @@ def _host_predict(shard: Any, predict_fn: Callable, setup: Callable | None, batc
     state = setup() if setup is not None else None
     step = jax.jit(predict_fn if setup is None else (lambda b: predict_fn(state, b)))
     parts: dict[str, list[np.ndarray]] = {}
-    with iter_jax_batches(shard, batch_size=batch_size, ragged="pad", dtypes=dtypes,
+    # Kept columns ride along on the host (exact ids, any dtype); only inputs go to devices.
+    keep = tuple(keep_columns) if keep_columns is not None else None
+    columns = None if input_columns is None or keep is None else list(dict.fromkeys([*input_columns, *keep]))
+    with iter_jax_batches(shard, batch_size=batch_size, ragged="pad", dtypes=dtypes, columns=columns,
+                          host_columns=[k for k in (keep or ()) if k not in (input_columns or ())],
                           mask_key="__rayslice_mask") as it:
         for batch in it:
             mask = batch.pop("__rayslice_mask")
-            inputs = {k: batch[k] for k in (input_columns or batch)}
+            inputs = {k: batch[k] for k in (input_columns or [k for k in batch if not isinstance(batch[k], np.ndarray)])}
             out = step(inputs)
             outs = out if isinstance(out, dict) else {output_column: out}
             ranges = _own_ranges(mask)
             real = local_rows(mask, ranges)
-            kept = {k: local_rows(batch[k], ranges) for k in (keep_columns if keep_columns is not None else batch)}
+            kept = {k: (batch[k] if isinstance(batch[k], np.ndarray) else local_rows(batch[k], ranges))
+                    for k in (keep if keep is not None else batch)}
             for k, v in {**kept, **{k: local_rows(v, ranges) for k, v in outs.items()}}.items():
                 parts.setdefault(k, []).append(v[real])
     if not parts:
@@ -139,7 +144,13 @@ def batch_predict(
     from rayslice.gang import SliceGang
     from rayslice.placement import slice_placement_group
 
-    if setup is None and predict_fn.__code__.co_argcount == 2:
+    import inspect
+
+    try:
+        arity = len(inspect.signature(predict_fn).parameters)
+    except (TypeError, ValueError):
+        arity = 1
+    if setup is None and arity == 2:
         raise ValueError("predict_fn takes (state, batch) but no setup= was given")
     with slice_placement_group(topology, accelerator_type, num_slices=num_slices, chips_per_host=chips_per_host,
                                timeout_s=reservation_timeout_s) as spg, SliceGang(spg) as gang:

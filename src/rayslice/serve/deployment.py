@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from rayslice.errors import GangError
+from rayslice.errors import GangError, Outcome, describe
 from rayslice.serve.schema import InputSpec, RequestError, parse_body, rows_of
 from rayslice.topology import Topology
 
@@ -136,6 +136,9 @@ class _ReplicaCore:
             raise RequestError("inputs must be numeric arrays with a leading row dimension")
         if len({len(a) for a in out.values()}) != 1:
             raise RequestError("columns have different row counts")
+        if rows_of(out) > self.cfg.max_batch_size:
+            raise RequestError(f"{rows_of(out)} rows in one request; the limit is {self.cfg.max_batch_size}",
+                               status=413)
         return out
 
     async def infer_many(self, items: list[dict[str, np.ndarray]]) -> list[Any]:
@@ -160,9 +163,10 @@ class _ReplicaCore:
             asyncio.ensure_future(self._watch(ref))
         try:
             outs = await asyncio.wait_for(refs[0], timeout=self.cfg.request_timeout_s)
-        except Exception as e:  # a host lost mid-request, or the deadline: an error, never a hang
-            err = GangError(f"slice {self.slice_name} failed this request: {str(e).splitlines()[0] if str(e) else e!r}",
-                            outcome=_outcome(e))
+        except Exception as e:  # the model raised, a host was lost, or the deadline: an error, never a hang
+            outcome = _outcome(e)
+            what = "the model raised" if outcome is Outcome.FAILED else f"slice {self.slice_name} failed this request"
+            err = GangError(f"{what}: {describe(e)}", outcome=outcome)
             return [err] * len(items)
         start = 0
         answers = []
@@ -176,8 +180,9 @@ class _ReplicaCore:
         try:
             await asyncio.wait_for(ref, timeout=self.cfg.request_timeout_s)
         except Exception as e:
-            self.broken = GangError(f"slice {self.slice_name}: a host failed: {str(e).splitlines()[0] if str(e) else e!r}",
-                                    outcome=_outcome(e))
+            outcome = _outcome(e)
+            if outcome is not Outcome.FAILED:  # an error in the model is the request's, not the slice's
+                self.broken = GangError(f"slice {self.slice_name}: a host failed: {describe(e)}", outcome=outcome)
 
     def check_health(self) -> None:
         if self.broken is not None:
@@ -195,8 +200,8 @@ class _ReplicaCore:
             self.spg = None
 
 
-def _outcome(e: BaseException) -> Any:
-    from rayslice.errors import Outcome, classify
+def _outcome(e: BaseException) -> Outcome:
+    from rayslice.errors import classify
 
     return Outcome.TIMEOUT if isinstance(e, asyncio.TimeoutError) else classify(e)
 
@@ -211,7 +216,9 @@ def make_replica_class(user_cls: type, cfg: SliceServeConfig) -> type:
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             self._core = _ReplicaCore(user_cls, cfg, args, kwargs)
 
-        @serve.batch(max_batch_size=cfg.max_batch_size, batch_wait_timeout_s=cfg.batch_wait_timeout_s)
+        # Batches are counted in rows, not requests: one SPMD step holds at most max_batch_size rows.
+        @serve.batch(max_batch_size=cfg.max_batch_size, batch_wait_timeout_s=cfg.batch_wait_timeout_s,
+                     batch_size_fn=lambda items: sum(rows_of(it) for it in items))
         async def _batched(self, items: list[dict[str, np.ndarray]]) -> list[Any]:
             return await self._core.infer_many(items)
 
@@ -233,7 +240,7 @@ def make_replica_class(user_cls: type, cfg: SliceServeConfig) -> type:
             except RequestError as e:
                 return JSONResponse({"error": str(e)}, status_code=e.status)
             except GangError as e:
-                return JSONResponse({"error": str(e)}, status_code=503)
+                return JSONResponse({"error": str(e)}, status_code=500 if e.outcome is Outcome.FAILED else 503)
             return JSONResponse({"outputs": {k: v.tolist() for k, v in outputs.items()}})
 
         def check_health(self) -> None:
@@ -290,7 +297,8 @@ def deployment(_cls: type | None = None, *, accelerator_type: str, accelerator_c
         reservation_timeout_s: Longest wait for a slice at replica start-up.
         init_timeout_s: Deadline for the host processes and ``setup``.
         request_timeout_s: Deadline of one SPMD step; past it the request fails (503).
-        max_batch_size: Rows batched into one step (also the per-request row limit).
+        max_batch_size: Rows batched into one SPMD step (requests are batched
+            until their rows reach it; also the per-request row limit).
         batch_wait_timeout_s: How long a batch waits for more requests.
         max_body_bytes: Larger HTTP bodies get 413.
         **serve_options: Passed to ``ray.serve.deployment`` (``num_replicas``,

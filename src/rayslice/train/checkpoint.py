@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -35,14 +34,31 @@ STATE_ITEM = "state"
 META_ITEM = "meta"
 
 
+COMMIT_MARKER = "commit_success.txt"
+
+
+def _path(directory: str) -> Any:
+    # etils.epath: local paths and gs:// / s3:// alike (object stores need gcsfs/s3fs),
+    # without importing JAX, so the driver can read it.
+    from etils import epath
+
+    return epath.Path(directory)
+
+
 def checkpoint_steps(directory: str) -> list[int]:
-    """Complete checkpoint steps under ``directory``, oldest first (pure filesystem read)."""
-    try:
-        names = os.listdir(directory)
-    except FileNotFoundError:
+    """Complete checkpoint steps under ``directory``, oldest first (a storage listing, no JAX)."""
+    root = _path(directory)
+    if not root.exists():
         return []
-    # Orbax's temporary directories carry a suffix; only plain numbers are committed.
-    return sorted(int(n) for n in names if n.isdigit() and os.path.isdir(os.path.join(directory, n)))
+    local = "://" not in str(directory)
+    steps = []
+    for p in root.iterdir():
+        # Orbax's temporary directories carry a suffix, so on a local disk a plain
+        # number is a committed (renamed) step; object stores have no atomic
+        # rename, and Orbax marks a finished step with a commit file instead.
+        if p.name.isdigit() and p.is_dir() and (local or (p / COMMIT_MARKER).exists()):
+            steps.append(int(p.name))
+    return sorted(steps)
 
 
 def latest_complete_step(directory: str) -> int | None:
@@ -64,16 +80,15 @@ class Checkpoint:
 
     @property
     def directory(self) -> str:
-        return os.path.dirname(self.path)
+        return self.path.rstrip("/").rsplit("/", 1)[0]
 
     def metadata(self) -> dict[str, Any]:
         """Step, metrics and data iterator states saved with the arrays."""
-        meta_dir = os.path.join(self.path, META_ITEM)
+        meta_dir = _path(self.path) / META_ITEM
         for name in ("metadata", "meta.json", "metadata.json"):
-            p = os.path.join(meta_dir, name)
-            if os.path.exists(p):
-                with open(p) as f:
-                    return json.load(f)
+            p = meta_dir / name
+            if p.exists():
+                return json.loads(p.read_text())
         raise FileNotFoundError(f"no metadata in {meta_dir}")
 
     def data_state(self, key: str = "data", rank: int | None = None) -> dict[str, Any] | None:
@@ -85,14 +100,19 @@ class Checkpoint:
             from rayslice.train.worker import get_context
 
             rank = get_context().world_rank
-        return states[rank] if rank < len(states) else states[-1]
+        if rank >= len(states):
+            # A restart on more hosts than the checkpoint was written by: the
+            # data split changed, so no saved position is this host's.
+            raise ValueError(f"checkpoint {self.step} holds data states for {len(states)} host(s); "
+                             f"rank {rank} has none (the run's world size changed)")
+        return states[rank]
 
     def restore(self, target: Any = None) -> Any:
         """Restores the arrays (call inside a worker, on every host)."""
         import orbax.checkpoint as ocp
 
         with ocp.StandardCheckpointer() as ckptr:
-            return ckptr.restore(os.path.join(self.path, STATE_ITEM), target)
+            return ckptr.restore(f"{self.path.rstrip('/')}/{STATE_ITEM}", target)
 
 
 def split_data_iterators(tree: Any) -> tuple[Any, dict[str, dict[str, Any]]]:
@@ -114,7 +134,7 @@ class CheckpointWriter:
     def __init__(self, directory: str, num_to_keep: int | None, async_save: bool) -> None:
         import orbax.checkpoint as ocp
 
-        os.makedirs(directory, exist_ok=True)
+        _path(directory).mkdir(parents=True, exist_ok=True)
         self.directory = directory
         self._ocp = ocp
         self._mngr = ocp.CheckpointManager(

@@ -19,7 +19,7 @@ from typing import Any
 
 from rich.console import Console
 
-from rayslice.errors import GangError, Outcome, ReservationError, classify
+from rayslice.errors import Outcome, ReservationError, classify, describe
 from rayslice.gang import SliceGang
 from rayslice.placement import slice_placement_group
 from rayslice.train.checkpoint import Checkpoint, latest_complete_step
@@ -113,7 +113,7 @@ class JaxTrainer:
                 else:
                     failures += 1
                     ok = outcome is not Outcome.CANCELLED and _budget_left(failures, rc.failure_config.max_failures)
-                self._say(f"attempt {attempt}: {outcome.value}: {_first_line(exc)}"
+                self._say(f"attempt {attempt}: {outcome.value}: {describe(exc)}"
                           + (f"; restarting from checkpoint {restore}" if ok else "; giving up"))
                 if not ok:
                     error = exc
@@ -168,8 +168,8 @@ class JaxTrainer:
                 refs.append(actor.call.remote(run_worker, (self.train_fn, self.config, ctx, info, shards), {}))
             last_report = time.monotonic()
             return self._watch(gang, refs, tracker, history, status, attempt, restarts)
-        except GangError as e:
-            return e.outcome, e, time.monotonic() - last_report
+        except Exception as e:  # start-up or split failed: a value, like any other failure
+            return classify(e), e, time.monotonic() - last_report
         finally:
             gang.shutdown()
             spg.release()
@@ -244,8 +244,3 @@ def _materialize_in_order(ds: Any) -> Any:
     return ds.materialize()
 
 
-def _first_line(exc: BaseException | None) -> str:
-    if exc is None:
-        return ""
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__

@@ -187,6 +187,15 @@ def _is_ready(v: Any) -> bool:
     return is_ready() if callable(is_ready) else True
 
 
+def _takes_an_argument(fn: Callable[..., Any]) -> bool:
+    import inspect
+
+    try:
+        return bool(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):  # builtins without a signature: pass the config
+        return True
+
+
 def run_worker(train_fn: Callable[..., Any], config: Any, ctx: TrainContext, info: Mapping[str, Any],
                shards: Mapping[str, Any]) -> dict[str, Any]:
     """Entry point in each gang process for one attempt."""
@@ -196,7 +205,7 @@ def run_worker(train_fn: Callable[..., Any], config: Any, ctx: TrainContext, inf
     ctx = dataclasses.replace(ctx, local_device_count=jax.local_device_count())
     _SESSION = _Session(ctx, info, shards)
     try:
-        if config is None and train_fn.__code__.co_argcount == 0:
+        if config is None and not _takes_an_argument(train_fn):
             train_fn()
         else:
             train_fn(config)
