@@ -21,6 +21,7 @@ running on this machine:
 from __future__ import annotations
 
 import functools
+import re
 import tempfile
 import time
 from typing import Any
@@ -66,6 +67,43 @@ def _psum() -> float:
     x = jax.make_array_from_process_local_data(sharding, local)
     total = jax.jit(jnp.sum, out_shardings=NamedSharding(mesh, PartitionSpec()))(x)
     return float(total.addressable_data(0))
+
+
+def _show_metrics(console: Console) -> str:
+    """Reads rayslice's series back from Ray's real Prometheus endpoints (one per node)."""
+    import ray
+    import requests
+
+    from rayslice._deadline import Deadline
+
+    deadline = Deadline(20)
+    while True:
+        series, where = [], ""
+        for n in ray.nodes():
+            port = n.get("MetricsExportPort")
+            if not (n["Alive"] and port):
+                continue
+            try:
+                text = requests.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+            except requests.RequestException:
+                continue
+            mine = [line for line in text.splitlines() if line.startswith("ray_rayslice_")]
+            if mine:
+                series += mine
+                where = where or f"http://127.0.0.1:{port}/metrics"
+        if any(s.startswith("ray_rayslice_goodput_fraction") for s in series) or deadline.expired:
+            break
+        deadline.sleep_or_raise(1.0, "waiting for metrics")
+    names = sorted({s.split("{", 1)[0] for s in series})
+    console.print(f"{len(series)} rayslice series on the nodes' Prometheus endpoints (e.g. {where}): {', '.join(names)}")
+    for s in series:
+        if s.startswith(("ray_rayslice_goodput_fraction", "ray_rayslice_step_time_seconds")):
+            name, rest = s.split("{", 1)
+            labels = re.findall(r'(\w+)="([^"]*)"', rest.rsplit("}", 1)[0])
+            shown = ",".join(f'{k}="{v}"' for k, v in labels if k in ("run", "slice", "worker_id", "component"))
+            console.print(f"  {name}{{{shown}}} {float(s.rsplit(' ', 1)[1]):.4g}")
+    return (f"{len(series)} series (ray_rayslice_*) on each node's Prometheus endpoint, e.g. {where}; "
+            "Grafana: observability/grafana-dashboard.json")
 
 
 def _leftover_processes() -> list[str]:
@@ -234,6 +272,8 @@ def _train_and_infer(console: Console, sim: Any) -> dict[str, str]:
     console.print(f"trained {result.goodput.steps} steps: loss {first:.3f} -> {last:.3f}; "
                   f"{result.preemptions} preemption(s), {result.attempts} attempts; checkpoint {result.checkpoint.path}")
 
+    metrics_line = _show_metrics(console)
+
     _step(console, 8, "The node pool replaces the lost slice")
     with console.status("adding a replacement slice"):
         new = sim.add_slice(SliceSpec("TPU-V4", "2x2x2"))
@@ -256,4 +296,5 @@ def _train_and_infer(console: Console, sim: Any) -> dict[str, str]:
                        f"(lost work {g.seconds['lost']:.1f} s, {g.lost_steps} steps recomputed)",
             "batch inference": f"{len(preds)} rows, test MSE {mse:.4f}",
             "serving": served,
+            "metrics": metrics_line,
             "checkpoint": result.checkpoint.path}
