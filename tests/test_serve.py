@@ -240,3 +240,39 @@ def test_a_model_error_is_500_and_the_replica_stays(serving):
     assert str(serve.status().applications["picky"].status).endswith("RUNNING")
     assert _post(serving, "/picky", {"inputs": {"x": [[2] * 8]}}).status_code == 200
     serve.delete("picky")
+
+
+def test_autoscaling_takes_and_releases_whole_slices(serving):
+    import concurrent.futures as cf
+
+    from ray import serve
+
+    dep = _dot(autoscaling_config={"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 1,
+                                   "upscale_delay_s": 0, "downscale_delay_s": 2, "metrics_interval_s": 0.5,
+                                   "look_back_period_s": 1})
+    serve.run(dep.bind(), name="auto", route_prefix="/auto")
+    assert len(_replica_slices("auto", "Dot")) == 1
+    stop = time.monotonic() + 60
+    seen = 1
+
+    def load():
+        while time.monotonic() < stop and seen < 2:
+            _post(serving, "/auto", {"inputs": {"x": [[1] * 8]}})
+
+    with cf.ThreadPoolExecutor(6) as pool:
+        futures = [pool.submit(load) for _ in range(6)]
+        while time.monotonic() < stop and seen < 2:
+            seen = max(seen, len(_replica_slices("auto", "Dot")))
+            time.sleep(0.5)
+        for f in futures:
+            f.result()
+    assert seen == 2  # the second replica reserved a second whole slice
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and len(_replica_slices("auto", "Dot")) > 1:
+        time.sleep(1)
+    assert len(_replica_slices("auto", "Dot")) == 1  # scaling down released one slice
+    serve.delete("auto")
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and _replica_slices("auto", "Dot"):
+        time.sleep(0.5)
+    assert _replica_slices("auto", "Dot") == set()  # deleting the app released the last one
