@@ -26,9 +26,11 @@ class _Background:
 
     def __init__(self, name: str, tmp_path, **config):
         self.stop_file = str(tmp_path / f"{name}.stop")
+        self.stepping = threading.Event()  # set by the first report that reaches the driver
         self.trainer = JaxTrainer(train_loops.busy_loop, train_loop_config={"stop_file": self.stop_file, **config},
                                   scaling_config=ScalingConfig(topology="2x2x2", accelerator_type="TPU-V4"),
-                                  run_config=RunConfig(name=name, storage_path=str(tmp_path), progress=False))
+                                  run_config=RunConfig(name=name, storage_path=str(tmp_path), progress=False,
+                                                       callbacks=[lambda report: self.stepping.set()]))
         self.result = None
         self.thread = threading.Thread(target=self._run)
 
@@ -98,10 +100,7 @@ def test_prometheus_endpoint_has_rayslice_series_with_tags(ray_cluster, tmp_path
 
 def test_profile_writes_a_trace_for_every_host(ray_cluster, tmp_path):
     with _Background("profiled", tmp_path, profiler_server=True) as bg:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not os.path.exists(os.path.join(str(tmp_path), "profiled")):
-            time.sleep(0.2)
-        time.sleep(3)  # the gang is up and stepping
+        assert bg.stepping.wait(timeout=90), "the run never reported a step"
         out = subprocess.run([sys.executable, "-m", "rayslice.cli", "profile", "profiled", "--seconds", "1",
                               "--address", ray_cluster.address], capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stderr[-3000:]
