@@ -202,3 +202,23 @@ def test_host_columns_stay_on_the_host_exactly():
     real = np.concatenate([b["id"][np.asarray(b["mask"])] for b in batches])
     np.testing.assert_array_equal(real, ids)  # no int32 truncation
     assert batches[1]["name"][:4].tolist() == ["r8", "r9", "r10", "r11"]
+
+
+def test_close_ends_the_iterator_and_dropping_it_stops_the_thread():
+    import gc
+    import time
+
+    it = iter_jax_batches(chunks(400), batch_size=8, prefetch=2)
+    next(it)
+    it.close()
+    with pytest.raises(StopIteration):
+        next(it)  # ends at once, never blocks
+    it = iter_jax_batches(chunks(400), batch_size=8, prefetch=2)
+    next(it)
+    thread = it._thread
+    del it  # e.g. `break` out of a loop and move on
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not thread.is_alive()

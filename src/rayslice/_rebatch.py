@@ -121,9 +121,11 @@ def host_batches(
             ds = ds.select_columns(list(columns))
         # Ray Data formats batches on a thread pool and, by default, yields them
         # in completion order; resuming from a row count needs the same order
-        # every time, so ask for the source order (a small reorder buffer).
-        ctx = ds.context if hasattr(ds, "context") else ds.get_context()
-        ctx.execution_options.preserve_order = True
+        # every time, so ask a Dataset for its source order (a small reorder
+        # buffer). A streaming_split shard's order is decided by its split
+        # coordinator, out of reach here: resuming one is not exact.
+        if hasattr(ds, "context"):
+            ds.context.execution_options.preserve_order = True
         fetch = batch_size * max(1, fetch_batches)
         raw = iter(ds.iter_batches(batch_size=fetch, batch_format="numpy", drop_last=False,
                                    prefetch_batches=ray_prefetch_batches))

@@ -117,7 +117,7 @@ def status(address: Annotated[str | None, typer.Option(help="Ray address (defaul
         groups = []
         for pg in ray.util.placement_group_table().values():
             if pg.get("name", "").startswith(PG_NAME_PREFIX) and pg["state"] in ("CREATED", "PENDING", "RESCHEDULING"):
-                _, job, slice_name = pg["name"].split(":", 2)
+                _, job, slice_name = pg["name"].split(":")[:3]
                 groups.append({"name": job, "slice": slice_name, "state": pg["state"], "bundles": len(pg["bundles"])})
         console.print(reservations_table(groups, waiting_reservations()))
 

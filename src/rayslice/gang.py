@@ -5,7 +5,9 @@ pinned to that host's bundle and holding its chips. Each actor sets the
 environment a TPU workload expects (``TPU_WORKER_ID``, ``TPU_WORKER_HOSTNAMES``
 and, for multi-slice, ``MEGASCALE_*``) fresh, replacing whatever the node had,
 *before* JAX is imported. Host 0 binds the coordinator port itself and reports
-it (no racy free-port guessing), then every process runs
+it, then hands it to JAX's coordination service in the same process (a
+close-and-rebind window of microseconds, on host 0 only, instead of the
+classic guess-a-free-port race across machines); then every process runs
 ``jax.distributed.initialize`` under one deadline, on every backend (CPU uses
 gloo), forming one global mesh whose process index follows (slice, worker id).
 
@@ -242,8 +244,6 @@ class SliceGang:
         return self
 
     def _init_jax(self) -> None:
-        import ray
-
         deadline = Deadline(self.init_timeout_s)
         port = _ordered_get([self.actors[0].bind_coordinator_port.remote()], deadline, "coordinator port")[0]
         ip = self.spg.slices[0].hosts[0].ip
@@ -252,7 +252,6 @@ class SliceGang:
                 for rank, a in enumerate(self.actors)]
         self.jax_info = _ordered_get(refs, deadline, "jax.distributed.initialize")
         self.contexts = [dataclasses.replace(c, coordinator_address=coordinator) for c in self.contexts]
-        del ray
 
     def run_async(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
         """Starts ``fn(*args, **kwargs)`` on every host; returns the refs in rank order."""

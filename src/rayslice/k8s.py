@@ -43,7 +43,6 @@ __all__ = ["CRD_DIR_ENV", "KINDS", "ClusterSpec", "ManifestError", "find_crd_dir
 API_VERSION = "ray.io/v1"
 CRD_DIR_ENV = "RAYSLICE_KUBERAY_CRDS"
 KINDS: tuple[str, ...] = ("raycluster", "rayjob", "rayservice")
-_KIND = {"raycluster": "RayCluster", "rayjob": "RayJob", "rayservice": "RayService"}
 _CRD_FILE = {"RayCluster": "ray.io_rayclusters.yaml", "RayJob": "ray.io_rayjobs.yaml",
              "RayService": "ray.io_rayservices.yaml"}
 DEFAULT_IMPORT_PATH = "rayslice.serve.builder:app"

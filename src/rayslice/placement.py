@@ -179,7 +179,9 @@ def _create_groups(p: Plan, extra: Mapping[str, float], name: str, created: list
             placement_group(
                 bundles,
                 strategy="STRICT_SPREAD",
-                name=f"{PG_NAME_PREFIX}{name}:{s.name}",
+                # Unique: the control plane refuses a second group of the same
+                # name, and two reservations may race for one slice.
+                name=f"{PG_NAME_PREFIX}{name}:{s.name}:{uuid.uuid4().hex[:6]}",
                 bundle_label_selector=selectors,
             )
         )
@@ -320,14 +322,8 @@ def slice_placement_group(
             raced.clear()
             if p.ok:
                 _create_groups(p, extra, name, created)
-                window = min(race_window_s, deadline.remaining)
-                wait_until = clock() + window
-                pending = list(created)
-                while pending:
-                    pending = [pg for pg in pending if not pg.wait(timeout_seconds=0)]
-                    if not pending or clock() >= wait_until:
-                        break
-                    sleep(0.002)
+                wait_until = clock() + min(race_window_s, deadline.remaining)
+                pending = [pg for pg in created if not pg.wait(timeout_seconds=max(0.0, wait_until - clock()))]
                 if not pending:
                     return _build(topo, p, created, name, deadline.elapsed)
                 # Lost a race (or the snapshot was stale): give back everything

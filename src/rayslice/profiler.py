@@ -68,16 +68,32 @@ def _default_dir(gang: str) -> str:
     return os.path.join(os.path.expanduser("~/rayslice_results"), gang, "profiles")
 
 
-def _trace(directory: str, seconds: float) -> list[str]:
-    # Runs in a gang process, on its second thread while the job keeps running.
+_TRACE: dict[str, Any] = {}
+
+
+def _start_trace(directory: str, seconds: float) -> None:
+    # Runs in a gang process and returns at once: a timer stops the trace, so
+    # the process's spare thread stays free for the driver's polls and health
+    # checks while the trace records.
+    import threading
+
     import jax
 
+    if _TRACE.get("timer") is not None and _TRACE["timer"].is_alive():
+        raise RuntimeError("a trace is already being recorded in this process")
     os.makedirs(directory, exist_ok=True)
     jax.profiler.start_trace(directory)
-    try:
-        time.sleep(seconds)
-    finally:
-        jax.profiler.stop_trace()
+    timer = threading.Timer(seconds, jax.profiler.stop_trace)
+    timer.daemon = True
+    timer.start()
+    _TRACE.update(timer=timer, directory=directory)
+
+
+def _finish_trace(timeout_s: float) -> list[str]:
+    timer, directory = _TRACE["timer"], _TRACE["directory"]
+    timer.join(timeout_s)
+    if timer.is_alive():
+        raise TimeoutError(f"the trace into {directory} did not finish within {timeout_s:g} s")
     return sorted(os.path.join(root, f) for root, _, files in os.walk(directory) for f in files)
 
 
@@ -118,5 +134,8 @@ def capture(gang: str, seconds: float = 5.0, output_dir: str | None = None, time
     first = next(iter(actors.values()))
     root = output_dir or ray.get(first.call.remote(_default_dir, (gang,), {}), timeout=30)
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    refs = {key: a.call.remote(_trace, (os.path.join(root, stamp, key), seconds), {}) for key, a in actors.items()}
-    return dict(zip(refs, ray.get(list(refs.values()), timeout=seconds + timeout_s)))
+    ray.get([a.call.remote(_start_trace, (os.path.join(root, stamp, key), seconds), {}) for key, a in actors.items()],
+            timeout=timeout_s)
+    time.sleep(seconds)  # the traces record meanwhile, on every host
+    refs = {key: a.call.remote(_finish_trace, (timeout_s,), {}) for key, a in actors.items()}
+    return dict(zip(refs, ray.get(list(refs.values()), timeout=timeout_s + 10)))

@@ -111,12 +111,11 @@ def _pad(batch: Batch, batch_size: int, pad_value: Any, template: Batch | None) 
     return out, mask
 
 
-class JaxBatchIterator(Iterator[dict[str, Any]]):
-    """The iterator :func:`iter_jax_batches` returns.
+class _Feeder:
+    """The machinery behind one :class:`JaxBatchIterator`: source, prefetch thread, queue.
 
-    ``state()`` is a small JSON-able dict; passing it back as ``state=``
-    continues with exactly the next batch. Use as a context manager, or call
-    ``close()``, to stop the prefetch thread early.
+    The thread holds only this object, never the iterator the caller holds, so
+    dropping the iterator (``break`` out of a loop) stops the thread.
     """
 
     def __init__(self, source: Any, *, batch_size: int, sharding: Any, ragged: str, pad_value: Any,
@@ -255,9 +254,6 @@ class JaxBatchIterator(Iterator[dict[str, Any]]):
             self._put((e, None))
 
     # -- consumer -----------------------------------------------------
-    def __iter__(self) -> JaxBatchIterator:
-        return self
-
     def __next__(self) -> dict[str, Any]:
         if self._finished:
             raise StopIteration
@@ -278,11 +274,47 @@ class JaxBatchIterator(Iterator[dict[str, Any]]):
         """Where this host is: pass back as ``state=`` to continue with the next batch."""
         return {"version": 1, "batches": self._batches, "rows": self._rows, "finished": self._finished}
 
-    def close(self) -> None:
-        """Stops the prefetch thread (idempotent)."""
+    def close(self, wait: bool = True) -> None:
+        """Stops the prefetch thread; the iterator then ends (idempotent)."""
+        self._finished = True
         self._stop.set()
-        if self._thread.is_alive():
+        if wait and self._thread.is_alive():
             self._thread.join(timeout=10)
+
+
+class JaxBatchIterator(Iterator[dict[str, Any]]):
+    """The iterator :func:`iter_jax_batches` returns.
+
+    ``state()`` is a small JSON-able dict; passing it back as ``state=``
+    continues with exactly the next batch. Use as a context manager, or call
+    ``close()``, to stop the prefetch thread early; dropping the iterator
+    stops it too.
+    """
+
+    def __init__(self, source: Any, **kwargs: Any) -> None:
+        self._feeder = _Feeder(source, **kwargs)
+
+    def __iter__(self) -> JaxBatchIterator:
+        return self
+
+    def __next__(self) -> dict[str, Any]:
+        return self._feeder.__next__()
+
+    def state(self) -> dict[str, Any]:
+        """Where this host is: pass back as ``state=`` to continue with the next batch."""
+        return self._feeder.state()
+
+    def close(self) -> None:
+        """Stops the prefetch thread (idempotent); ``next()`` then raises StopIteration."""
+        self._feeder.close()
+
+    @property
+    def _queue(self) -> queue.Queue:  # for tests: batches already on device
+        return self._feeder._queue
+
+    @property
+    def _thread(self) -> threading.Thread:
+        return self._feeder._thread
 
     def __enter__(self) -> JaxBatchIterator:
         return self
@@ -291,9 +323,9 @@ class JaxBatchIterator(Iterator[dict[str, Any]]):
         self.close()
 
     def __del__(self) -> None:
-        stop = getattr(self, "_stop", None)  # absent when __init__ raised
-        if stop is not None:
-            stop.set()
+        feeder = getattr(self, "_feeder", None)  # absent when __init__ raised
+        if feeder is not None:
+            feeder.close(wait=False)
 
 
 def iter_jax_batches(
@@ -318,9 +350,11 @@ def iter_jax_batches(
     Args:
         source: A ``ray.data.Dataset``, a ``ray.data.DataIterator`` (e.g. one
             shard of ``streaming_split``), or an iterable of
-            ``dict[str, np.ndarray]`` / ``pyarrow.Table`` batches. For Ray
-            sources this turns on ``preserve_order`` in their DataContext: a
-            resumed iterator must see rows in the same order.
+            ``dict[str, np.ndarray]`` / ``pyarrow.Table`` batches. For a
+            ``Dataset`` this turns on ``preserve_order`` in its DataContext: a
+            resumed iterator must see rows in the same order. (A
+            ``streaming_split`` shard's order is its coordinator's: resuming
+            one is not exact; the trainer's shards are plain Datasets.)
         batch_size: Rows per host per step; arrays have ``batch_size x
             jax.process_count()`` rows.
         sharding: A ``NamedSharding`` whose first dimension is split over one

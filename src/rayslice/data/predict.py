@@ -72,7 +72,10 @@ def _host_predict(shard: Any, predict_fn: Callable, setup: Callable | None, batc
     from rayslice.data.feeder import iter_jax_batches
 
     state = setup() if setup is not None else None
-    step = jax.jit(predict_fn if setup is None else (lambda b: predict_fn(state, b)))
+    # The state is an argument, not a closure: jit would embed closed-over
+    # weights as constants, and refuses arrays that span other hosts.
+    jitted = jax.jit(predict_fn)
+    step = jitted if setup is None else (lambda b: jitted(state, b))
     parts: dict[str, list[np.ndarray]] = {}
     # Kept columns ride along on the host (exact ids, any dtype); only inputs go to devices.
     keep = tuple(keep_columns) if keep_columns is not None else None

@@ -26,10 +26,6 @@ from typing import Any
 
 from rayslice.serve.deployment import deployment
 
-_SLICE_KEYS = ("input_spec", "reservation_timeout_s", "init_timeout_s", "request_timeout_s", "max_batch_size",
-               "batch_wait_timeout_s", "max_body_bytes")
-
-
 def _import(path: str) -> Any:
     module, _, name = path.partition(":")
     if not module or not name:
@@ -49,9 +45,8 @@ def build(args: Mapping[str, Any]) -> Any:
     model = _import(args.pop("model"))
     init_args = tuple(args.pop("init_args", ()))
     init_kwargs = dict(args.pop("init_kwargs", {}))
-    slice_opts = {k: args.pop(k) for k in _SLICE_KEYS if k in args}
-    dep = deployment(accelerator_type=args.pop("accelerator_type"),
-                     accelerator_config=args.pop("accelerator_config"), **slice_opts, **args)(model)
+    # deployment() takes the slice options itself and hands the rest to Serve.
+    dep = deployment(**args)(model)
     return dep.bind(*init_args, **init_kwargs)
 
 

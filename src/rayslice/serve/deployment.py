@@ -30,12 +30,13 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import uuid
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
-from rayslice.errors import GangError, Outcome, describe
+from rayslice.errors import GangError, Outcome, classify, describe
 from rayslice.serve.schema import InputSpec, RequestError, parse_body, rows_of
 from rayslice.topology import Topology
 
@@ -112,8 +113,8 @@ class _ReplicaCore:
         # Raises ReservationTimeout / NoMatchingSlice with the per-slice report:
         # Serve shows it as the reason the deployment failed.
         self.spg = slice_placement_group(cfg.topology, cfg.accelerator_type, chips_per_host=cfg.chips_per_host,
-                                         timeout_s=cfg.reservation_timeout_s, name=f"serve-{user_cls.__name__}",
-                                         progress=False)
+                                         timeout_s=cfg.reservation_timeout_s,
+                                         name=f"serve-{user_cls.__name__}-{uuid.uuid4().hex[:6]}", progress=False)
         try:
             self.gang = SliceGang(self.spg, init_timeout_s=cfg.init_timeout_s, name=user_cls.__name__,
                                   actor_options={"max_concurrency": 2}).start()
@@ -124,6 +125,13 @@ class _ReplicaCore:
         self.slice_name = self.spg.slices[0].name
 
     def validate(self, inputs: Any) -> dict[str, np.ndarray]:
+        out = self._validate(inputs)
+        if rows_of(out) > self.cfg.max_batch_size:  # whatever the spec's own limit: Serve's batcher would fail
+            raise RequestError(f"{rows_of(out)} rows in one request; the limit is {self.cfg.max_batch_size}",
+                               status=413)
+        return out
+
+    def _validate(self, inputs: Any) -> dict[str, np.ndarray]:
         if self.cfg.input_spec is not None:
             return self.cfg.input_spec.validate(inputs)
         if not isinstance(inputs, Mapping) or not inputs:
@@ -136,15 +144,14 @@ class _ReplicaCore:
             raise RequestError("inputs must be numeric arrays with a leading row dimension")
         if len({len(a) for a in out.values()}) != 1:
             raise RequestError("columns have different row counts")
-        if rows_of(out) > self.cfg.max_batch_size:
-            raise RequestError(f"{rows_of(out)} rows in one request; the limit is {self.cfg.max_batch_size}",
-                               status=413)
         return out
 
     async def infer_many(self, items: list[dict[str, np.ndarray]]) -> list[Any]:
         """One SPMD step for a batch of requests; returns each request's outputs (or the error)."""
         from rayslice.serve import host
 
+        if self.broken is not None:  # a host already failed: answer at once, Serve is replacing us
+            return [self.broken] * len(items)
         try:
             merged = {k: np.concatenate([it[k] for it in items]) for k in items[0]}
         except ValueError as e:  # requests whose columns differ (only without an input_spec)
@@ -153,8 +160,6 @@ class _ReplicaCore:
         size = _bucket(rows, self.cfg.max_batch_size)
         if size > rows:
             merged = {k: np.concatenate([v, np.zeros((size - rows, *v.shape[1:]), v.dtype)]) for k, v in merged.items()}
-        if self.broken is not None:
-            return [self.broken] * len(items)
         refs = self.gang.run_async(host.infer, merged, rows)
         # Host 0 answers; the other hosts' completions are checked in the
         # background (a failure there marks the replica unhealthy), so a
@@ -164,7 +169,7 @@ class _ReplicaCore:
         try:
             outs = await asyncio.wait_for(refs[0], timeout=self.cfg.request_timeout_s)
         except Exception as e:  # the model raised, a host was lost, or the deadline: an error, never a hang
-            outcome = _outcome(e)
+            outcome = classify(e)
             what = "the model raised" if outcome is Outcome.FAILED else f"slice {self.slice_name} failed this request"
             err = GangError(f"{what}: {describe(e)}", outcome=outcome)
             return [err] * len(items)
@@ -180,7 +185,7 @@ class _ReplicaCore:
         try:
             await asyncio.wait_for(ref, timeout=self.cfg.request_timeout_s)
         except Exception as e:
-            outcome = _outcome(e)
+            outcome = classify(e)
             if outcome is not Outcome.FAILED:  # an error in the model is the request's, not the slice's
                 self.broken = GangError(f"slice {self.slice_name}: a host failed: {describe(e)}", outcome=outcome)
 
@@ -198,12 +203,6 @@ class _ReplicaCore:
         if self.spg is not None:
             self.spg.release()
             self.spg = None
-
-
-def _outcome(e: BaseException) -> Outcome:
-    from rayslice.errors import classify
-
-    return Outcome.TIMEOUT if isinstance(e, asyncio.TimeoutError) else classify(e)
 
 
 def make_replica_class(user_cls: type, cfg: SliceServeConfig) -> type:

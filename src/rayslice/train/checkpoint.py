@@ -93,14 +93,16 @@ class Checkpoint:
 
     def data_state(self, key: str = "data", rank: int | None = None) -> dict[str, Any] | None:
         """The saved state of data iterator ``key`` for this host (or ``rank``)."""
-        states = self.metadata().get("data_states", {}).get(key)
+        meta = self.metadata()
+        states = meta.get("data_states", {}).get(key)
         if states is None:
             return None
+        world = None
         if rank is None:
             from rayslice.train.worker import get_context
 
-            rank = get_context().world_rank
-        if rank >= len(states):
+            rank, world = get_context().world_rank, get_context().world_size
+        if rank >= len(states) or (world is not None and world != meta.get("world_size", len(states))):
             # A restart on more hosts than the checkpoint was written by: the
             # data split changed, so no saved position is this host's.
             raise ValueError(f"checkpoint {self.step} holds data states for {len(states)} host(s); "

@@ -148,7 +148,7 @@ class JaxTrainer:
                                         timeout_s=sc.reservation_timeout_s, name=f"{rc.name}-{attempt}",
                                         progress=False)
         gang = SliceGang(spg, init_timeout_s=sc.init_timeout_s, actor_options={"max_concurrency": 2}, name=rc.name)
-        last_report = time.monotonic()
+        last_report: float | None = None  # set once the loop runs: start-up time is "startup", not "lost"
         try:
             self._status(status, f"attempt {attempt}: starting {spg.num_hosts} host processes on "
                                  f"{', '.join(s.name for s in spg.slices)}")
@@ -156,7 +156,8 @@ class JaxTrainer:
                 gang.start()
             splits = {k: ds.split(spg.num_hosts, equal=True) for k, ds in datasets.items()}
             info = {"checkpoint_dir": rc.checkpoint_path, "num_to_keep": rc.checkpoint_config.num_to_keep,
-                    "async_save": rc.checkpoint_config.async_save}
+                    "async_save": rc.checkpoint_config.async_save,
+                    "restore_step": latest_complete_step(rc.checkpoint_path)}
             refs = []
             for rank, (actor, hc) in enumerate(zip(gang.actors, gang.contexts)):
                 ctx = TrainContext(world_rank=rank, world_size=len(gang.actors), slice_index=hc.slice_index,
@@ -169,7 +170,7 @@ class JaxTrainer:
             last_report = time.monotonic()
             return self._watch(gang, refs, tracker, history, status, attempt, restarts)
         except Exception as e:  # start-up or split failed: a value, like any other failure
-            return classify(e), e, time.monotonic() - last_report
+            return classify(e), e, 0.0 if last_report is None else time.monotonic() - last_report
         finally:
             gang.shutdown()
             spg.release()

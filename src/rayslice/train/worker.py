@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from rayslice.train.checkpoint import Checkpoint, CheckpointWriter, latest_complete_step, split_data_iterators
+from rayslice.train.checkpoint import Checkpoint, CheckpointWriter, split_data_iterators
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,11 +65,14 @@ class _Session:
         self.ctx = ctx
         self.shards = dict(shards)
         self.checkpoint_dir = info["checkpoint_dir"]
-        step = latest_complete_step(self.checkpoint_dir)
+        # The driver chose the step for every host: listings can lag on shared
+        # storage, and hosts restoring different steps would silently diverge.
+        step = info["restore_step"]
         self.checkpoint = None if step is None else Checkpoint(f"{self.checkpoint_dir}/{step}", step)
         self.step = 0 if self.checkpoint is None else self.checkpoint.step
         self.writer = CheckpointWriter(self.checkpoint_dir, info["num_to_keep"], info["async_save"])
         self.lock = threading.Lock()
+        self.last_gather: str | None = None
         self.reports: list[dict[str, Any]] = []
         self.started = time.perf_counter()
         self.last = self.started
@@ -118,14 +121,21 @@ def _scalar(v: Any) -> Any:
 
 def _gather_states(s: _Session, step: int, states: dict[str, Any]) -> dict[str, list[Any]]:
     """Every host's data iterator states, gathered on every host through the coordination service."""
-    if s.ctx.world_size == 1:
+    if s.ctx.world_size == 1 or not states:
         return {k: [v] for k, v in states.items()}
     from jax._src import distributed
 
     client = distributed.global_state.client
     key = f"rayslice/ckpt/{s.ctx.attempt}/{step}"
     client.key_value_set(f"{key}/{s.ctx.world_rank}", json.dumps(states))
-    per_rank = [json.loads(client.blocking_key_value_get(f"{key}/{r}", 600_000)) for r in range(s.ctx.world_size)]
+    per_rank = [states if r == s.ctx.world_rank else json.loads(client.blocking_key_value_get(f"{key}/{r}", 600_000))
+                for r in range(s.ctx.world_size)]
+    if s.last_gather is not None:  # every host has posted this one, so all have read the previous
+        try:
+            client.key_value_delete(s.last_gather)
+        except Exception:
+            pass
+    s.last_gather = f"{key}/{s.ctx.world_rank}"
     return {k: [p.get(k) for p in per_rank] for k in states}
 
 
@@ -153,11 +163,13 @@ def report(metrics: Mapping[str, Any], checkpoint: Any = None) -> None:
         meta = {"step": step, "metrics": clean, "data_states": _gather_states(s, step, states),
                 "world_size": s.ctx.world_size}
         stall = s.writer.save(step, arrays, meta)
+    end = time.perf_counter()
     s.sampler.record_step(max(0.0, now - s.last))
-    record = {"step": step, "metrics": clean, "step_s": now - s.last, "stall_s": stall,
+    # step_s covers the whole interval (the save included), so work = step_s - stall_s.
+    record = {"step": step, "metrics": clean, "step_s": end - s.last, "stall_s": stall,
               "first": s.first, "checkpointed": checkpoint is not None, "attempt": s.ctx.attempt}
     s.step, s.first = step, False
-    s.last = time.perf_counter()
+    s.last = end
     with s.lock:
         s.reports.append(record)
 
