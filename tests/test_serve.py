@@ -250,6 +250,14 @@ def test_autoscaling_takes_and_releases_whole_slices(serving):
 
     from ray import serve
 
+    import rayslice
+
+    # Two free serve slices are needed (the chaos test above broke one): the node pool adds one.
+    free = [s for s in rayslice.list_slices() if s.name.startswith("serve-") and s.state == "free"]
+    if len(free) < 2:
+        sim = serving["sim"]
+        name = sim.add_slice(SliceSpec("v6e", "2x4", chips_per_host=4, name=f"serve-{len(sim.slices)}"))
+        serving["slices"].append(name)
     dep = _dot(autoscaling_config={"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 1,
                                    "upscale_delay_s": 0, "downscale_delay_s": 2, "metrics_interval_s": 0.5,
                                    "look_back_period_s": 1})

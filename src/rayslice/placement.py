@@ -322,8 +322,15 @@ def slice_placement_group(
             raced.clear()
             if p.ok:
                 _create_groups(p, extra, name, created)
+                # PlacementGroup.wait takes whole seconds, too coarse for a
+                # group that is ready in milliseconds: poll it, gently.
                 wait_until = clock() + min(race_window_s, deadline.remaining)
-                pending = [pg for pg in created if not pg.wait(timeout_seconds=max(0.0, wait_until - clock()))]
+                pending = list(created)
+                while pending:
+                    pending = [pg for pg in pending if not pg.wait(timeout_seconds=0)]
+                    if not pending or clock() >= wait_until:
+                        break
+                    sleep(0.005)
                 if not pending:
                     return _build(topo, p, created, name, deadline.elapsed)
                 # Lost a race (or the snapshot was stale): give back everything
