@@ -99,13 +99,13 @@ def _ray(steps: int, storage: str) -> tuple[float, float]:
 
 def compare(rounds: int = 3, steps: int = 5) -> dict[str, Any]:
     _ship_by_value()
-    storage = tempfile.mkdtemp(prefix="rs-bench-")
-    _ours(steps, storage)  # warm-up both (worker processes, imports)
-    _ray(steps, storage)
-    ours, theirs = [], []
-    for _ in range(rounds):
-        ours.append(_ours(steps, storage))
-        theirs.append(_ray(steps, storage))
+    with tempfile.TemporaryDirectory(prefix="rs-bench-") as storage:
+        _ours(steps, storage)  # warm-up both (worker processes, imports)
+        _ray(steps, storage)
+        ours, theirs = [], []
+        for _ in range(rounds):
+            ours.append(_ours(steps, storage))
+            theirs.append(_ray(steps, storage))
     f_ours, t_ours = statistics.median(o[0] for o in ours), statistics.median(o[1] for o in ours)
     f_ray, t_ray = statistics.median(o[0] for o in theirs), statistics.median(o[1] for o in theirs)
     return {"rounds": rounds, "first_step_s": {"rayslice": f_ours, "ray": f_ray}, "fit_s": {"rayslice": t_ours, "ray": t_ray},
@@ -118,10 +118,11 @@ def overhead(steps: int = 300) -> dict[str, float]:
     _ship_by_value()
     from tests import train_loops  # the same loop the tests use
 
-    r = JaxTrainer(train_loops.overhead_loop, train_loop_config={"steps": steps},
-                   scaling_config=ScalingConfig(topology="2x2x2", accelerator_type="TPU-V4"),
-                   run_config=RunConfig(name=f"overhead-{time.time_ns()}", storage_path=tempfile.mkdtemp(),
-                                        progress=False)).fit()
+    with tempfile.TemporaryDirectory(prefix="rs-bench-") as storage:
+        r = JaxTrainer(train_loops.overhead_loop, train_loop_config={"steps": steps},
+                       scaling_config=ScalingConfig(topology="2x2x2", accelerator_type="TPU-V4"),
+                       run_config=RunConfig(name=f"overhead-{time.time_ns()}", storage_path=storage,
+                                            progress=False)).fit()
     assert r.error is None, r.error
     m = r.metrics
     return {"steps": steps, "bare_ms": 1000 * m["bare_s"] / steps, "reported_ms": 1000 * m["reported_s"] / steps,
@@ -146,10 +147,11 @@ def recovery(sim: Any) -> dict[str, float]:
         elif report["attempt"] == 2 and "next" not in marks:
             marks["next"] = time.time()
 
-    r = JaxTrainer(train_loops.regression_loop, train_loop_config={"rows": 160, "every": 2, "sleep_s": 0.1},
-                   scaling_config=ScalingConfig(topology="2x2x2", accelerator_type="TPU-V4"),
-                   run_config=RunConfig(name=f"recovery-{time.time_ns()}", storage_path=tempfile.mkdtemp(),
-                                        progress=False, failure_config=FailureConfig(max_preemptions=1),
-                                        callbacks=[chaos])).fit()
+    with tempfile.TemporaryDirectory(prefix="rs-bench-") as storage:
+        r = JaxTrainer(train_loops.regression_loop, train_loop_config={"rows": 160, "every": 2, "sleep_s": 0.1},
+                       scaling_config=ScalingConfig(topology="2x2x2", accelerator_type="TPU-V4"),
+                       run_config=RunConfig(name=f"recovery-{time.time_ns()}", storage_path=storage,
+                                            progress=False, failure_config=FailureConfig(max_preemptions=1),
+                                            callbacks=[chaos])).fit()
     assert r.error is None and r.preemptions == 1, r.error
     return {"recovery_s": marks["next"] - marks["lost"], "lost_s": r.goodput.seconds["lost"]}
