@@ -133,3 +133,32 @@ def test_ray_dataset_in_one_process(ray_cluster):
         rest = [np.asarray(b["id"]).tolist() for b in iter_jax_batches(ordered, batch_size=8, ragged="drop",
                                                                           state=state)]
         assert rest == [list(range(i, i + 8)) for i in range(8 * consumed, 400, 8)]
+
+
+class _Scaler:
+    """A non-array part of a model's state (like a Flax module)."""
+
+    def apply(self, w, x):
+        return x * w
+
+
+def _load_state():
+    import jax.numpy as jnp
+
+    return _Scaler(), jnp.asarray(3.0)
+
+
+def _predict_with_state(state, batch):
+    model, w = state
+    return model.apply(w, batch["x"])
+
+
+def test_batch_predict_with_setup_state(ray_cluster):
+    import ray
+
+    ds = ray.data.range(40).map_batches(lambda b: {"id": b["id"], "x": b["id"].astype(np.float32)})
+    out = rayslice.data.batch_predict(ds, _predict_with_state, setup=_load_state, topology="2x2x2",
+                                      accelerator_type="TPU-V4", batch_size=8, input_columns=["x"],
+                                      keep_columns=["id"])
+    rows = sorted(out.take_all(), key=lambda r: r["id"])
+    assert [r["prediction"] for r in rows] == [3.0 * i for i in range(40)]

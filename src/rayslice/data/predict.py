@@ -56,6 +56,29 @@ def _own_ranges(mask: Any) -> list[tuple[int, int]]:
     return sorted(spans)
 
 
+def _bind_state(predict_fn: Callable, state: Any) -> Callable:
+    """``batch -> predict_fn(state, batch)``, jitted with the state's arrays as arguments.
+
+    Arrays must be arguments, not closure constants: jit would embed closed-over
+    weights in the program, and refuses arrays that span other hosts. Other
+    leaves (a Flax module, settings) are closed over as static values.
+    """
+    import jax
+
+    leaves, treedef = jax.tree_util.tree_flatten(state)
+    is_array = [isinstance(leaf, jax.Array | np.ndarray) for leaf in leaves]
+    arrays = [leaf for leaf, a in zip(leaves, is_array) if a]
+    static = [leaf for leaf, a in zip(leaves, is_array) if not a]
+
+    def call(arrs: list, batch: Any) -> Any:
+        arr_it, static_it = iter(arrs), iter(static)
+        rebuilt = treedef.unflatten([next(arr_it) if a else next(static_it) for a in is_array])
+        return predict_fn(rebuilt, batch)
+
+    jitted = jax.jit(call)
+    return lambda batch: jitted(arrays, batch)
+
+
 def _to_arrow(columns: dict[str, np.ndarray]) -> Any:
     import pyarrow as pa
     from ray.data.extensions import ArrowTensorArray
@@ -72,10 +95,7 @@ def _host_predict(shard: Any, predict_fn: Callable, setup: Callable | None, batc
     from rayslice.data.feeder import iter_jax_batches
 
     state = setup() if setup is not None else None
-    # The state is an argument, not a closure: jit would embed closed-over
-    # weights as constants, and refuses arrays that span other hosts.
-    jitted = jax.jit(predict_fn)
-    step = jitted if setup is None else (lambda b: jitted(state, b))
+    step = jax.jit(predict_fn) if setup is None else _bind_state(predict_fn, state)
     parts: dict[str, list[np.ndarray]] = {}
     # Kept columns ride along on the host (exact ids, any dtype); only inputs go to devices.
     keep = tuple(keep_columns) if keep_columns is not None else None
