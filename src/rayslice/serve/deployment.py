@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from rayslice.errors import GangError, Outcome, classify, describe
-from rayslice.serve.schema import InputSpec, RequestError, parse_body, rows_of
+from rayslice.serve.schema import InputSpec, RequestError, parse_body, rows_of, validate_untyped
 from rayslice.topology import Topology
 
 logger = logging.getLogger(__name__)
@@ -134,17 +134,7 @@ class _ReplicaCore:
     def _validate(self, inputs: Any) -> dict[str, np.ndarray]:
         if self.cfg.input_spec is not None:
             return self.cfg.input_spec.validate(inputs)
-        if not isinstance(inputs, Mapping) or not inputs:
-            raise RequestError("inputs must be a non-empty object of columns")
-        try:
-            out = {k: np.asarray(v) for k, v in inputs.items()}
-        except ValueError as e:
-            raise RequestError(f"inputs are not rectangular arrays: {e}") from None
-        if any(a.dtype.kind not in "fiub" or a.ndim == 0 for a in out.values()):
-            raise RequestError("inputs must be numeric arrays with a leading row dimension")
-        if len({len(a) for a in out.values()}) != 1:
-            raise RequestError("columns have different row counts")
-        return out
+        return validate_untyped(inputs)
 
     async def infer_many(self, items: list[dict[str, np.ndarray]]) -> list[Any]:
         """One SPMD step for a batch of requests; returns each request's outputs (or the error)."""

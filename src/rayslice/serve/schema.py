@@ -77,16 +77,7 @@ class InputSpec:
                                f"missing {missing}, unexpected {extra}")
         out, rows = {}, None
         for name, col in self.columns.items():
-            value = inputs[name]
-            if isinstance(value, np.ndarray):
-                arr = value
-            else:
-                try:
-                    arr = np.asarray(value)
-                except ValueError as e:  # ragged nested lists
-                    raise RequestError(f"column {name!r} is not a rectangular array: {e}") from None
-            if arr.dtype.kind not in _KINDS:
-                raise RequestError(f"column {name!r} must be numeric ({col.dtype}); got {arr.dtype}")
+            arr = column_array(name, inputs[name], f"numeric ({col.dtype})")
             want = np.dtype(col.dtype)
             if want.kind in "iub" and arr.dtype.kind == "f":
                 raise RequestError(f"column {name!r} must be {col.dtype}; got floating-point values")
@@ -103,6 +94,32 @@ class InputSpec:
         if rows > self.max_rows:
             raise RequestError(f"{rows} rows in one request; the limit is {self.max_rows}", status=413)
         return out
+
+
+def column_array(name: str, value: Any, expected: str = "numeric") -> np.ndarray:
+    """One request column as a numeric numpy array, or :class:`RequestError` (422)."""
+    if isinstance(value, np.ndarray):
+        arr = value
+    else:
+        try:
+            arr = np.asarray(value)
+        except ValueError as e:  # ragged nested lists
+            raise RequestError(f"column {name!r} is not a rectangular array: {e}") from None
+    if arr.dtype.kind not in _KINDS:
+        raise RequestError(f"column {name!r} must be {expected}; got {arr.dtype}")
+    return arr
+
+
+def validate_untyped(inputs: Any) -> dict[str, np.ndarray]:
+    """Inputs of a deployment without an ``input_spec``: numeric columns with equal row counts."""
+    if not isinstance(inputs, Mapping) or not inputs:
+        raise RequestError("inputs must be a non-empty object of columns")
+    out = {k: column_array(k, v) for k, v in inputs.items()}
+    if any(a.ndim == 0 for a in out.values()):
+        raise RequestError("inputs must be numeric arrays with a leading row dimension")
+    if len({len(a) for a in out.values()}) != 1:
+        raise RequestError("columns have different row counts")
+    return out
 
 
 def parse_body(body: bytes, max_bytes: int) -> Any:
