@@ -11,11 +11,21 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 
 
 class RaysliceError(Exception):
     """Base class of rayslice's own errors."""
+
+
+class InvalidArgument(RaysliceError, TypeError, ValueError):
+    """A public config or entry point was given a bad value.
+
+    It is both a ``TypeError`` and a ``ValueError``, so code that caught
+    either keeps working; the message names the parameter, shows the bad
+    value and says what is valid.
+    """
 
 
 class ReservationError(RaysliceError):
@@ -89,6 +99,55 @@ def classify(exc: BaseException) -> Outcome:
         # An actor whose constructor raised is a user/config error, not a lost host.
         return Outcome.FAILED if _init_failed(exc) else Outcome.PREEMPTED
     return Outcome.FAILED
+
+
+@dataclasses.dataclass(frozen=True)
+class RunOutcome:
+    """How one unit of distributed work ended, as a value: outcome, error, timing.
+
+    Returned by the training controller's attempts and the serve replica's
+    calls alike, instead of bare tuples or exceptions to string-match.
+
+    Attributes:
+        outcome: How it ended.
+        error: The exception behind a non-OK outcome (None when OK).
+        elapsed_s: Seconds the work ran.
+        lost_s: Seconds of work done since the last durable point (the last
+            report or checkpoint) that the failure threw away.
+        rank: The host rank that failed first, when known.
+
+    Example:
+        >>> r = RunOutcome.of(ValueError("bad batch"), elapsed_s=1.5)
+        >>> r.outcome, r.ok, r.message
+        (<Outcome.FAILED: 'failed'>, False, 'ValueError: bad batch')
+        >>> RunOutcome.success(2.0).ok
+        True
+    """
+
+    outcome: Outcome
+    error: BaseException | None = None
+    elapsed_s: float = 0.0
+    lost_s: float = 0.0
+    rank: int | None = None
+
+    @classmethod
+    def of(cls, exc: BaseException, *, elapsed_s: float = 0.0, lost_s: float = 0.0,
+           outcome: Outcome | None = None) -> RunOutcome:
+        """The outcome of a failure: :func:`classify` decides unless ``outcome`` is given."""
+        return cls(outcome or classify(exc), exc, elapsed_s, lost_s, getattr(exc, "rank", None))
+
+    @classmethod
+    def success(cls, elapsed_s: float = 0.0) -> RunOutcome:
+        return cls(Outcome.OK, None, elapsed_s)
+
+    @property
+    def ok(self) -> bool:
+        return self.outcome is Outcome.OK
+
+    @property
+    def message(self) -> str:
+        """One line: the user's own exception when Ray wrapped one ("" when OK)."""
+        return describe(self.error)
 
 
 def _init_failed(exc: BaseException) -> bool:

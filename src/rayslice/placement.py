@@ -38,6 +38,7 @@ from rayslice._progress import WaitDisplay
 from rayslice.cluster import LABEL_SLICE, LABEL_WORKER_ID, SliceInfo, list_slices
 from rayslice.errors import NoMatchingSlice, ReservationTimeout
 from rayslice.planning import Plan, plan
+from rayslice.request import SliceRequest
 from rayslice.topology import Topology
 
 logger = logging.getLogger(__name__)
@@ -71,13 +72,15 @@ class SlicePlacementGroup:
     """Whole slices held for one job. Release with :meth:`release` or a ``with`` block.
 
     Attributes:
+        request: What was reserved (topology, slices, per-host resources).
         topology: The topology of each slice.
         slices: The reserved slices, in slice-index order.
         wait_s: Seconds the reservation took.
     """
 
-    def __init__(self, topology: Topology, slices: tuple[ReservedSlice, ...], name: str, wait_s: float) -> None:
-        self.topology = topology
+    def __init__(self, request: SliceRequest, slices: tuple[ReservedSlice, ...], name: str, wait_s: float) -> None:
+        self.request = request
+        self.topology = request.topology
         self.slices = slices
         self.name = name
         self.wait_s = wait_s
@@ -255,10 +258,10 @@ def explain(topology: str, accelerator_type: str, *, num_slices: int = 1, chips_
 
 
 def slice_placement_group(
-    topology: str,
-    accelerator_type: str,
+    topology: str | Topology | SliceRequest,
+    accelerator_type: str | None = None,
     *,
-    num_slices: int = 1,
+    num_slices: int | None = None,
     chips_per_host: int | None = None,
     resources_per_host: Mapping[str, float] | None = None,
     timeout_s: float = 300.0,
@@ -299,12 +302,9 @@ def slice_placement_group(
         >>> spg.num_hosts, spg.release()  # doctest: +SKIP
         (2, None)
     """
-    topo = Topology.parse(accelerator_type, topology, chips_per_host=chips_per_host)
-    if num_slices < 1:
-        raise ValueError(f"num_slices={num_slices} must be >= 1")
-    extra = dict(resources_per_host or {})
-    if "TPU" in extra:
-        raise ValueError("resources_per_host must not contain 'TPU': chips per host come from the topology")
+    request = SliceRequest.parse(topology, accelerator_type, num_slices=num_slices,
+                                 chips_per_host=chips_per_host, resources_per_host=resources_per_host)
+    topo, num_slices, extra = request.topology, request.num_slices, dict(request.resources_per_host)
     name = name or f"job-{uuid.uuid4().hex[:8]}"
     if ":" in name or not name.strip():
         raise ValueError(f"name {name!r} is not valid: it must be non-empty and must not contain ':'")
@@ -332,7 +332,7 @@ def slice_placement_group(
                         break
                     sleep(0.005)
                 if not pending:
-                    return _build(topo, p, created, name, deadline.elapsed)
+                    return _build(request, p, created, name, deadline.elapsed)
                 # Lost a race (or the snapshot was stale): give back everything
                 # and plan again, skipping the slices that did not come through.
                 raced = {s.name for s, pg in zip(p.chosen, created) if pg in pending}
@@ -375,9 +375,9 @@ def _request_capacity(topo: Topology, num_slices: int) -> None:
     request_resources(bundles=[{topo.head_resource: 1}] * num_slices)
 
 
-def _build(topo: Topology, p: Plan, groups: list[Any], name: str, wait_s: float) -> SlicePlacementGroup:
+def _build(request: SliceRequest, p: Plan, groups: list[Any], name: str, wait_s: float) -> SlicePlacementGroup:
     reserved = []
     for index, (s, pg) in enumerate(zip(p.chosen, groups)):
         hosts = tuple(ReservedHost(h.worker_id, h.node_id, h.ip, bundle_index=h.worker_id) for h in s.hosts)
         reserved.append(ReservedSlice(s.name, index, hosts, pg))
-    return SlicePlacementGroup(topo, tuple(reserved), name, wait_s)
+    return SlicePlacementGroup(request, tuple(reserved), name, wait_s)

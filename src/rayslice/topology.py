@@ -195,6 +195,10 @@ def valid_topologies(generation: str) -> list[str]:
     return list(_gen(generation).topologies)
 
 
+def _is_generation(name: object) -> bool:
+    return isinstance(name, str) and re.sub(r"-\d+$", "", name.strip().lower()) in _ALIASES
+
+
 # The public parameter named "generation" shadows the function inside
 # valid_topologies() and chips_per_host_options(); they call it by this name.
 _gen = generation
@@ -291,9 +295,15 @@ class Topology:
 
     @classmethod
     def parse(
-        cls, accelerator_type: str, topology: str, *, chips_per_host: int | None = None
+        cls, topology: str, accelerator_type: str, *, chips_per_host: int | None = None
     ) -> Topology:
-        """Build a Topology from a generation spelling and a topology string.
+        """Build a Topology from a topology string and a generation spelling.
+
+        The order is Ray's (``topology``, then ``accelerator_type``), and both
+        are keyword-friendly. The older order (generation first) keeps
+        working: a shape ("4x4") and a generation ("v6e") can never be
+        mistaken for each other, so the two are told apart by what they are,
+        not by position; two shapes or two generations is an error.
 
         ``topology`` may use any case and spaces ("4 X 4"). When
         ``chips_per_host`` is None it defaults to 4, except that v5e/v6e shapes
@@ -303,11 +313,18 @@ class Topology:
         Raises:
             ValueError: naming the bad value and listing the valid choices.
 
-        >>> Topology.parse("v6e", "2x4").num_hosts
+        >>> Topology.parse("2x4", "v6e").num_hosts
         1
-        >>> Topology.parse("v6e", "2X4", chips_per_host=4).num_hosts
+        >>> Topology.parse(topology="2X4", accelerator_type="v6e", chips_per_host=4).num_hosts
         2
+        >>> Topology.parse("TPU-V4", "2x2x2") == Topology.parse("2x2x2", "TPU-V4")
+        True
         """
+        if _is_generation(topology) and not _is_generation(accelerator_type):
+            topology, accelerator_type = accelerator_type, topology  # the older (generation, shape) order
+        if isinstance(accelerator_type, str) and _parse_shape(accelerator_type) is not None:
+            raise ValueError(f"accelerator_type={accelerator_type!r} is a shape, not a TPU generation; "
+                             f"valid: {', '.join(GENERATIONS)}")
         gen = generation(accelerator_type)
         shape = _parse_shape(topology)
         name = _check_shape(gen, topology, shape)
