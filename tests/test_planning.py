@@ -202,7 +202,7 @@ def test_deterministic_name_order():
 
 @pytest.mark.parametrize("n", [0, -1])
 def test_num_slices_below_one_raises(n):
-    with pytest.raises(ValueError, match=rf"num_slices={n} must be >= 1"):
+    with pytest.raises(ValueError, match=rf"num_slices={n} .*>= 1"):
         plan(V4_16, [make_slice("a")], num_slices=n)
 
 

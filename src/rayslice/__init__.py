@@ -8,6 +8,8 @@ Example:
 
 from rayslice import data, metrics, profiler
 from rayslice.cluster import HostInfo, SliceInfo, list_slices, parse_slices
+from rayslice.data import batch_predict, iter_jax_batches
+from rayslice.dispatch import run_on_slice
 from rayslice.errors import (
     GangError,
     NoMatchingSlice,
@@ -18,8 +20,7 @@ from rayslice.errors import (
     classify,
     describe,
 )
-from rayslice.data import batch_predict, iter_jax_batches
-from rayslice.gang import HostContext, SliceGang, host_context, run_on_slice
+from rayslice.gang import HostContext, SliceGang, host_context
 from rayslice.placement import (
     ReservedHost,
     ReservedSlice,
@@ -30,7 +31,13 @@ from rayslice.placement import (
 from rayslice.planning import Plan, SliceVerdict, plan
 from rayslice.profiler import init_jax_profiler
 from rayslice.sim import SimulatedCluster, SliceSpec
-from rayslice.topology import GENERATIONS, Generation, Topology, generation, valid_topologies
+from rayslice.topology import (
+    GENERATIONS,
+    Generation,
+    Topology,
+    generation,
+    valid_topologies,
+)
 
 __version__ = "0.1.0"
 

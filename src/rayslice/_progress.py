@@ -7,10 +7,17 @@ deadline, and the first reason from the plan.
 
 from __future__ import annotations
 
+import json
+import logging
 import sys
 import time
 from collections.abc import Callable
 from typing import Any
+
+logger = logging.getLogger(__name__)
+
+_WAITING_KV_PREFIX = b"rayslice/waiting/"
+_KV_NAMESPACE = b"rayslice"
 
 
 class WaitDisplay:
@@ -42,10 +49,7 @@ class WaitDisplay:
             return False
         self.shown = True
         if self.enabled:
-            reasons = [v for v in plan.verdicts if v.matches_shape] or list(plan.verdicts)
-            why = str(reasons[0]) if reasons else "no TPU slices in the cluster"
-            if len(reasons) > 1:
-                why += f" (+{len(reasons) - 1} more)"
+            why = plan.first_reason()
             limit = "" if deadline.timeout_s is None else f" / {deadline.timeout_s:.0f} s"
             text = f"{self.what}: waited {deadline.elapsed:.0f} s{limit} — {why}"
             if self._status is None:
@@ -64,3 +68,28 @@ class WaitDisplay:
         if self._status is not None:
             self._status.stop()
             self._status = None
+
+
+def publish_waiting(name: str, info: dict[str, Any] | None) -> None:
+    from ray.experimental.internal_kv import _internal_kv_del, _internal_kv_put
+
+    key = _WAITING_KV_PREFIX + name.encode()
+    try:
+        if info is None:
+            _internal_kv_del(key, namespace=_KV_NAMESPACE)
+        else:
+            _internal_kv_put(key, json.dumps(info).encode(), overwrite=True, namespace=_KV_NAMESPACE)
+    except Exception:  # status is best effort; never fail a reservation over it
+        logger.debug("could not publish waiting state", exc_info=True)
+
+
+def waiting_reservations() -> list[dict[str, Any]]:
+    """Reservations currently waiting for slices (published by every waiting driver)."""
+    from ray.experimental.internal_kv import _internal_kv_get, _internal_kv_list
+
+    out = []
+    for key in _internal_kv_list(_WAITING_KV_PREFIX, namespace=_KV_NAMESPACE):
+        raw = _internal_kv_get(key, namespace=_KV_NAMESPACE)
+        if raw:
+            out.append(json.loads(raw))
+    return out

@@ -39,8 +39,19 @@ console = Console()
 err = Console(stderr=True)
 
 
+_CONNECT_TIMEOUT_S = 30.0
+
+
 def _home() -> Path:
-    return Path(os.environ.get("RAYSLICE_HOME", Path.home() / ".rayslice"))
+    home = Path(os.environ.get("RAYSLICE_HOME", Path.home() / ".rayslice"))
+    if home.exists() and not home.is_dir():
+        raise RaysliceError(f"RAYSLICE_HOME={str(home)!r} is not a directory")
+    for parent in home.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise RaysliceError(f"RAYSLICE_HOME={str(home)!r} is under {str(parent)!r}, which is not a directory")
+            break
+    return home
 
 
 def _state_file() -> Path:
@@ -48,20 +59,61 @@ def _state_file() -> Path:
 
 
 def _read_state() -> dict[str, Any] | None:
+    """The running simulator's state, or None when there is none or the file is not one of ours."""
+    path = _state_file()
     try:
-        return json.loads(_state_file().read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
+        state = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        err.print(f"[yellow]ignoring unreadable state file {path}: {e}[/yellow]", highlight=False)
+        return None
+    valid = (isinstance(state, dict) and type(state.get("pid")) is int and state["pid"] > 0
+             and isinstance(state.get("address"), str) and isinstance(state.get("started"), int | float))
+    if not valid:
+        err.print(f"[yellow]ignoring state file {path}: not written by `rayslice sim up`[/yellow]", highlight=False)
+        return None
+    return state
+
+
+def _process_started(pid: int) -> float | None:
+    """When process ``pid`` started (epoch seconds), or None if there is no such process."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).create_time()
+    except (psutil.NoSuchProcess, psutil.ZombieProcess):
+        return None
+    except psutil.AccessDenied:
         return None
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+def _is_our_simulator(state: dict[str, Any]) -> bool:
+    """The state file's pid is alive AND is the very process that wrote it (same start time, our command)."""
+    import psutil
+
+    started = _process_started(state["pid"])
+    if started is None or abs(started - float(state["started"])) > 1.0:
         return False
-    except PermissionError:
-        return True
-    return True
+    try:
+        cmdline = " ".join(psutil.Process(state["pid"]).cmdline())
+    except psutil.Error:
+        return False
+    return "rayslice" in cmdline and "sim" in cmdline
+
+
+def _check_reachable(address: str, timeout_s: float) -> None:
+    """Fails fast, in one line, when nothing listens at ``host:port``."""
+    import socket
+
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or "://" in address:
+        return  # "auto", ray://... : let Ray resolve it
+    try:
+        with socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout_s):
+            pass
+    except OSError as e:
+        raise RaysliceError(f"cannot connect to Ray at {address}: {e.strerror or e}") from None
 
 
 @contextlib.contextmanager
@@ -70,36 +122,69 @@ def _connected(address: str | None) -> Iterator[str]:
     import ray
 
     state = _read_state()
-    if address is None and state and _pid_alive(state["pid"]):
+    if address is None and state and _is_our_simulator(state):
         address = state["address"]
     address = address or os.environ.get("RAY_ADDRESS")
     if not address:
         raise RaysliceError("no cluster to connect to: pass --address, set RAY_ADDRESS, or run `rayslice sim up`")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    try:
-        ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
-    except ConnectionError as e:
-        raise RaysliceError(f"cannot connect to Ray at {address}: {e}") from None
+    _check_reachable(address, timeout_s=5.0)
+    # ray.init retries a silent endpoint for a long time: give it a deadline.
+    outcome: list[BaseException | None] = []
+    worker = threading.Thread(target=lambda: outcome.append(_init_ray(address)), daemon=True)
+    worker.start()
+    worker.join(_CONNECT_TIMEOUT_S)
+    if not outcome:
+        raise RaysliceError(f"cannot connect to Ray at {address}: no answer within {_CONNECT_TIMEOUT_S:g} s")
+    if outcome[0] is not None:
+        raise RaysliceError(f"cannot connect to Ray at {address}: {outcome[0]}") from None
     try:
         yield address
     finally:
         ray.shutdown()
 
 
+def _init_ray(address: str) -> BaseException | None:
+    import ray
+
+    try:
+        ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
+    except Exception as e:  # reported in one line by the caller
+        return e
+    return None
+
+
+def _shape_and_type(first: str, second: str | None) -> tuple[str | None, str]:
+    """(topology, accelerator type) from two positional words in either order (told apart by content)."""
+    from rayslice.topology import is_shape
+
+    if second is None:
+        return (first, "") if is_shape(first) else (None, first)
+    return (second, first) if is_shape(second) and not is_shape(first) else (first, second)
+
+
 @app.command()
 def topology(
-    accelerator: Annotated[str, typer.Argument(help="Generation in any spelling: v6e, TPU-V4, tpu-v5-lite-podslice ...")],
-    shape: Annotated[str | None, typer.Argument(help="Topology, e.g. 4x4. Omit to list valid shapes.")] = None,
+    first: Annotated[str, typer.Argument(
+        metavar="TOPOLOGY", help="Topology, e.g. 4x4 (omit to list a generation's shapes).")],
+    second: Annotated[str | None, typer.Argument(
+        metavar="ACCELERATOR_TYPE", help="Generation in any spelling: v6e, TPU-V4, tpu-v5-lite-podslice ...")] = None,
     chips_per_host: Annotated[int | None, typer.Option(help="Host layout for shapes that have two (v5e/v6e 2x4).")] = None,
 ) -> None:
-    """Facts of a TPU topology, or the valid shapes of a generation."""
+    """Facts of a TPU topology (`rayslice topology 4x4 v6e`), or a generation's shapes (`rayslice topology v6e`).
+
+    The two words may come in either order: a shape and a generation are told apart by what they are.
+    """
     from rayslice._tables import shapes_table, topology_table
     from rayslice.topology import Topology
 
+    shape, accelerator_type = _shape_and_type(first, second)
     if shape is None:
-        console.print(shapes_table(accelerator))
+        console.print(shapes_table(accelerator_type))
+    elif not accelerator_type:
+        raise RaysliceError(f"which generation is {shape!r}? e.g. `rayslice topology {shape} v6e`")
     else:
-        console.print(topology_table(Topology.parse(accelerator, shape, chips_per_host=chips_per_host)))
+        console.print(topology_table(Topology.parse(shape, accelerator_type, chips_per_host=chips_per_host)))
 
 
 @app.command()
@@ -124,17 +209,21 @@ def status(address: Annotated[str | None, typer.Option(help="Ray address (defaul
 
 @app.command()
 def explain(
-    shape: Annotated[str, typer.Argument(help="Topology, e.g. 2x2x2.")],
-    accelerator: Annotated[str, typer.Argument(help="Generation, e.g. TPU-V4.")],
+    first: Annotated[str, typer.Argument(metavar="TOPOLOGY", help="Topology, e.g. 2x2x2.")],
+    second: Annotated[str, typer.Argument(metavar="ACCELERATOR_TYPE", help="Generation, e.g. TPU-V4.")],
     num_slices: int = 1,
     chips_per_host: int | None = None,
     address: str | None = None,
 ) -> None:
-    """Why each slice could or could not take a reservation right now."""
+    """Why each slice could or could not take a reservation right now (`rayslice explain 2x2x2 TPU-V4`)."""
     from rayslice.placement import explain as explain_plan
+    from rayslice.request import SliceRequest
 
+    shape, accelerator_type = _shape_and_type(first, second)
+    request = SliceRequest.parse(shape or first, accelerator_type, num_slices=num_slices,
+                                 chips_per_host=chips_per_host)  # validated before connecting
     with _connected(address):
-        console.print(explain_plan(shape, accelerator, num_slices=num_slices, chips_per_host=chips_per_host).explain())
+        console.print(explain_plan(request).explain())
 
 
 @sim_app.command("up")
@@ -148,9 +237,14 @@ def sim_up(
     """Start a simulated TPU cluster and print the address to connect to."""
     from rayslice.sim import SliceSpec
 
-    specs = [SliceSpec.parse(s) for s in slice_]  # validate before starting anything
+    # Validate everything before starting (or spawning) anything.
+    specs = [SliceSpec.parse(s) for s in slice_]
+    if head_cpus < 1:
+        raise RaysliceError(f"--head-cpus={head_cpus} is not valid: expected an integer >= 1")
+    if not timeout_s > 0 or timeout_s == float("inf"):
+        raise RaysliceError(f"--timeout-s={timeout_s:g} is not valid: expected a finite number > 0")
     state = _read_state()
-    if state and _pid_alive(state["pid"]):
+    if state and _is_our_simulator(state):
         raise RaysliceError(f"a simulated cluster is already running (pid {state['pid']}, {state['address']}); "
                             "run `rayslice sim down` first")
     if detach:
@@ -205,8 +299,8 @@ def _run_foreground(specs: list, head_cpus: int, dashboard: bool) -> None:
         console.print(f"address: [bold]{sim.address}[/bold]  (Ctrl-C or `rayslice sim down` to stop)")
         _home().mkdir(parents=True, exist_ok=True)
         tmp = _state_file().with_suffix(".tmp")
-        tmp.write_text(json.dumps({"pid": os.getpid(), "address": sim.address, "summary": summary,
-                                   "dashboard": sim.dashboard_url}))
+        tmp.write_text(json.dumps({"pid": os.getpid(), "started": _process_started(os.getpid()),
+                                   "address": sim.address, "summary": summary, "dashboard": sim.dashboard_url}))
         tmp.replace(_state_file())  # atomic: a reader never sees half a file
         while not stop.wait(0.5):
             pass
@@ -222,17 +316,20 @@ def _run_foreground(specs: list, head_cpus: int, dashboard: bool) -> None:
 @sim_app.command("down")
 def sim_down(timeout_s: float = 60.0) -> None:
     """Stop the simulated cluster started by `rayslice sim up`."""
+    if not timeout_s > 0 or timeout_s == float("inf"):
+        raise RaysliceError(f"--timeout-s={timeout_s:g} is not valid: expected a finite number > 0")
     state = _read_state()
-    if not state or not _pid_alive(state["pid"]):
+    if not state or not _is_our_simulator(state):
+        # Never signal a pid we did not start: a stale file may name someone else's process now.
         _state_file().unlink(missing_ok=True)
         raise RaysliceError(f"no simulated cluster is running (state file: {_state_file()})")
     pid = state["pid"]
     os.kill(pid, signal.SIGTERM)
     deadline = Deadline(timeout_s)
     with err.status(f"stopping simulated cluster (pid {pid})"):
-        while _pid_alive(pid) and not deadline.expired:
+        while _is_our_simulator(state) and not deadline.expired:
             time.sleep(0.2)
-    if _pid_alive(pid):
+    if _is_our_simulator(state):
         os.kill(pid, signal.SIGKILL)
         err.print(f"[yellow]simulator did not stop within {timeout_s:g} s; killed pid {pid}[/yellow]")
     _state_file().unlink(missing_ok=True)
@@ -268,21 +365,21 @@ def k8s(
     chips_per_host: int | None = None,
     autoscale: Annotated[bool, typer.Option(help="Start at 0 slices; the autoscaler adds whole slices.")] = False,
     namespace: str | None = None,
-    check: Annotated[bool, typer.Option(help="Validate against the KubeRay CRDs when they can be found.")] = True,
+    ray_version: Annotated[str | None, typer.Option(
+        help="The image's Ray version (KubeRay's rayVersion). Default: from a rayproject/ray:X.Y.Z tag, "
+             "else the pinned Ray.")] = None,
+    check: Annotated[bool, typer.Option(
+        help="Validate against the KubeRay CRDs shipped with rayslice (or $RAYSLICE_KUBERAY_CRDS).")] = True,
 ) -> None:
     """Print a KubeRay manifest for GKE TPU node pools."""
-    from rayslice.k8s import ClusterSpec, find_crd_dir, manifest, to_yaml, validate
+    from rayslice.k8s import ClusterSpec, manifest, to_yaml, validate
 
     spec = ClusterSpec(accelerator, topology, image=image, num_slices=slices, name=name, entrypoint=entrypoint,
-                       chips_per_host=chips_per_host, enable_autoscaling=autoscale, namespace=namespace)
+                       chips_per_host=chips_per_host, enable_autoscaling=autoscale, namespace=namespace,
+                       ray_version=ray_version)
     doc = manifest(kind, spec)
     if check:
-        try:
-            crds = find_crd_dir()
-        except FileNotFoundError:
-            err.print("[yellow]note: KubeRay CRDs not found; manifest not validated[/yellow]")
-        else:
-            validate(doc, crds)
+        validate(doc)
     console.print(to_yaml(doc), end="", markup=False, highlight=False, soft_wrap=True)
 
 
@@ -298,7 +395,7 @@ def main() -> None:
     """Entry point: runs the app, turning expected errors into one-line messages."""
     try:
         app()
-    except (RaysliceError, ValueError, TimeoutError) as e:
+    except (RaysliceError, ValueError, TypeError, TimeoutError, OSError) as e:
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         err.print(f"[red]error:[/red] {first}", highlight=False, soft_wrap=True)
         rest = str(e).splitlines()[1:]

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -46,6 +47,9 @@ class HostInfo:
     alive: bool
     chips_total: float
     chips_free: float
+    # Other resources of the node (CPU, memory, custom): totals and what is free now.
+    resources_total: Mapping[str, float] = dataclasses.field(default_factory=dict, compare=False)
+    resources_free: Mapping[str, float] = dataclasses.field(default_factory=dict, compare=False)
 
     @property
     def is_free(self) -> bool:
@@ -115,7 +119,7 @@ class SliceInfo:
 
     def topology_info(self) -> Topology:
         """The catalog entry, with chips per host as the nodes report it."""
-        return Topology.parse(self.accelerator_type, self.topology, chips_per_host=self.chips_per_host)
+        return Topology.parse(self.topology, self.accelerator_type, chips_per_host=self.chips_per_host)
 
 
 def _host_record(node: Mapping[str, Any], available: Mapping[str, Mapping[str, float]]) -> HostInfo:
@@ -124,15 +128,19 @@ def _host_record(node: Mapping[str, Any], available: Mapping[str, Mapping[str, f
     node_id = node["NodeID"]
     total = float(resources.get("TPU", 0.0))
     alive = bool(node.get("Alive"))
+    others = {k: float(v) for k, v in resources.items() if k != "TPU" and not k.startswith("node:")}
     if not alive:
         free = 0.0
+        others_free = {k: 0.0 for k in others}
     elif node_id not in available:
         # A node that has not reported its load yet was just provisioned:
         # treat its chips as free, as Ray's own slice helpers do.
         free = total
+        others_free = dict(others)
     else:
         # Ray drops a resource from a node's available map when none is left.
         free = float(available[node_id].get("TPU", 0.0))
+        others_free = {k: float(available[node_id].get(k, 0.0)) for k in others}
     return HostInfo(
         worker_id=int(labels[LABEL_WORKER_ID]),
         node_id=node_id,
@@ -140,6 +148,8 @@ def _host_record(node: Mapping[str, Any], available: Mapping[str, Mapping[str, f
         alive=alive,
         chips_total=total,
         chips_free=free,
+        resources_total=others,
+        resources_free=others_free,
     )
 
 
@@ -147,7 +157,7 @@ def _host_record(node: Mapping[str, Any], available: Mapping[str, Mapping[str, f
 def _expected_hosts(accel: str, topo_name: str, chips: int) -> tuple[int | None, str | None]:
     # Cached: a cluster has few distinct shapes but may have thousands of slices.
     try:
-        return Topology.parse(accel, topo_name, chips_per_host=chips or None).num_hosts, None
+        return Topology.parse(topo_name, accel, chips_per_host=chips or None).num_hosts, None
     except ValueError as e:
         return None, str(e)
 
@@ -262,3 +272,32 @@ def list_slices() -> list[SliceInfo]:
     """
     nodes, available = cluster_snapshot()
     return parse_slices(nodes, available)
+
+
+def autoscaler_can_add_nodes(status: Mapping[str, Any] | None) -> bool:
+    """Whether an autoscaler status report comes from an autoscaler with node types (pure).
+
+    Every Ray head runs a monitor that publishes a status report; without an
+    autoscaling config (a plain ``ray start`` or the simulator) it uses a
+    read-only provider whose node types are just ``node_<node id>``. An
+    autoscaler that can launch nodes (KubeRay's, the cluster launcher's) names
+    its configured types (``headgroup``, ``tpu-v6e-4x4`` ...).
+    """
+    if not status:
+        return False
+    mapping = (status.get("autoscaler_report") or {}).get("node_type_mapping") or {}
+    return any(node_type != f"node_{node_id}" for node_id, node_type in mapping.items())
+
+
+def autoscaler_configured() -> bool:
+    """True when an autoscaler (e.g. KubeRay's) can add slices to this cluster."""
+    from ray._private import ray_constants
+    from ray.experimental.internal_kv import _internal_kv_get, _internal_kv_initialized
+
+    if not _internal_kv_initialized():
+        return False
+    raw = _internal_kv_get(ray_constants.DEBUG_AUTOSCALING_STATUS.encode())
+    try:
+        return autoscaler_can_add_nodes(json.loads(raw) if raw else None)
+    except ValueError:
+        return False

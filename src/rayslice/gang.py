@@ -34,9 +34,11 @@ from typing import Any
 
 from rayslice._deadline import Deadline
 from rayslice.errors import GangError, Outcome, classify
-from rayslice.placement import SlicePlacementGroup, slice_placement_group
+from rayslice.placement import SlicePlacementGroup
+from rayslice.topology import MEGASCALE_PORT
 
-MEGASCALE_PORT = 8081
+#: Ray namespace of named gang processes (``<gang>/<gang id>/<rank>``).
+NAMESPACE = "rayslice"
 _MEGASCALE_KEYS = ("MEGASCALE_COORDINATOR_ADDRESS", "MEGASCALE_NUM_SLICES", "MEGASCALE_SLICE_ID", "MEGASCALE_PORT")
 
 
@@ -55,6 +57,17 @@ class HostContext:
     devices_per_host: int
     coordinator_address: str | None = None
     gang_name: str = ""
+    artifacts_dir: str | None = None  # where the job keeps its outputs (a training run's path)
+
+
+def gang_actor_name(gang: str, gang_id: str, rank: int) -> str:
+    """The Ray actor name of one gang process (namespace :data:`NAMESPACE`).
+
+    Example:
+        >>> gang_actor_name("my-run", "ab12cd34", 1)
+        'my-run/ab12cd34/1'
+    """
+    return f"{gang}/{gang_id}/{rank}"
 
 
 _CONTEXT: HostContext | None = None
@@ -187,6 +200,8 @@ class SliceGang:
             a process can answer while it runs a long call).
         name: Names the processes (``<name>/<gang id>/<rank>``, namespace
             ``rayslice``) so tools such as ``rayslice profile`` can find them.
+        artifacts_dir: Where the job keeps its outputs (profiles go under
+            it); seen by the processes as ``host_context().artifacts_dir``.
 
     Example:
         >>> with slice_placement_group("2x2x2", "v4") as spg, SliceGang(spg) as gang:  # doctest: +SKIP
@@ -196,8 +211,9 @@ class SliceGang:
 
     def __init__(self, spg: SlicePlacementGroup, *, init_jax: bool = True, init_timeout_s: float = 120.0,
                  env: dict[str, str] | None = None, actor_options: dict[str, Any] | None = None,
-                 name: str | None = None) -> None:
+                 name: str | None = None, artifacts_dir: str | None = None) -> None:
         self.spg = spg
+        self.artifacts_dir = artifacts_dir
         self.name = name
         self.actor_options = dict(actor_options or {})
         self.init_jax = init_jax
@@ -208,11 +224,9 @@ class SliceGang:
         self.jax_info: list[dict[str, Any]] = []
 
     def start(self) -> SliceGang:
-        import ray
-
         import uuid
 
-        from rayslice.profiler import NAMESPACE, gang_actor_name
+        import ray
 
         topo = self.spg.topology
         actor_cls = ray.remote(_HostProcess)
@@ -223,7 +237,8 @@ class SliceGang:
                 ctx = HostContext(rank=rank, world_size=world, slice_index=s.slice_index, slice_name=s.name,
                                   worker_id=h.worker_id, num_slices=self.spg.num_slices,
                                   hosts_per_slice=len(s.hosts), node_id=h.node_id,
-                                  devices_per_host=topo.devices_per_host, gang_name=self.name or "")
+                                  devices_per_host=topo.devices_per_host, gang_name=self.name or "",
+                                  artifacts_dir=self.artifacts_dir)
                 env = {**gang_environment(self.spg, s.slice_index, h.worker_id), **self.env}
                 actor = actor_cls.options(
                     num_cpus=0,
@@ -319,38 +334,3 @@ class SliceGang:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
-
-
-def run_on_slice(
-    fn: Callable[..., Any],
-    *args: Any,
-    topology: str,
-    accelerator_type: str,
-    num_slices: int = 1,
-    chips_per_host: int | None = None,
-    timeout_s: float = 300.0,
-    init_timeout_s: float = 120.0,
-    run_timeout_s: float | None = None,
-    fn_kwargs: dict[str, Any] | None = None,
-) -> list[Any]:
-    """Reserves slices, runs ``fn(*args)`` once per host with JAX up, releases.
-
-    ``timeout_s`` bounds the wait for slices, ``init_timeout_s`` the start of
-    the processes, ``run_timeout_s`` (None: no limit) the run of ``fn``;
-    keyword arguments for ``fn`` go in ``fn_kwargs``.
-
-    Returns:
-        Per-host results in (slice, worker id) order.
-
-    Example:
-        >>> def psum():
-        ...     import jax, jax.numpy as jnp
-        ...     return float(jax.pmap(lambda x: jax.lax.psum(x, "i"), axis_name="i")(
-        ...         jnp.ones(jax.local_device_count()))[0])
-        >>> run_on_slice(psum, topology="2x2x2", accelerator_type="v4")  # doctest: +SKIP
-        [8.0, 8.0]
-    """
-    with slice_placement_group(topology, accelerator_type, num_slices=num_slices,
-                               chips_per_host=chips_per_host, timeout_s=timeout_s) as spg:
-        with SliceGang(spg, init_timeout_s=init_timeout_s) as gang:
-            return gang.run(fn, *args, timeout_s=run_timeout_s, **(fn_kwargs or {}))

@@ -26,26 +26,44 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
+import math
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from rayslice._deadline import Deadline
-from rayslice._progress import WaitDisplay
-from rayslice.cluster import LABEL_SLICE, LABEL_WORKER_ID, SliceInfo, list_slices
+from rayslice._groups import (
+    PG_NAME_PREFIX,
+    create_groups,
+    remove_groups,
+    request_capacity,
+)
+from rayslice._progress import WaitDisplay, publish_waiting, waiting_reservations
+from rayslice._validate import (
+    check_bool,
+    check_choice,
+    check_float,
+    check_optional,
+    fail,
+)
+from rayslice.cluster import (
+    LABEL_SLICE,
+    LABEL_WORKER_ID,
+    autoscaler_configured,
+    list_slices,
+)
 from rayslice.errors import NoMatchingSlice, ReservationTimeout
 from rayslice.planning import Plan, plan
-from rayslice.request import SliceRequest
+from rayslice.request import SliceRequest, bundle_label_selectors, request_from_args
 from rayslice.topology import Topology
 
 logger = logging.getLogger(__name__)
 
-PG_NAME_PREFIX = "rayslice:"
-_WAITING_KV_PREFIX = b"rayslice/waiting/"
-_KV_NAMESPACE = b"rayslice"
+
+__all__ = ["PG_NAME_PREFIX", "ReservedHost", "ReservedSlice", "SlicePlacementGroup", "explain",
+           "slice_placement_group", "waiting_reservations"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,27 +87,93 @@ class ReservedSlice:
 
 
 class SlicePlacementGroup:
-    """Whole slices held for one job. Release with :meth:`release` or a ``with`` block.
+    """Whole slices held for one job. Release with :meth:`release` / :meth:`shutdown` or a ``with`` block.
+
+    Get one from :func:`slice_placement_group`. Constructing it directly with
+    Ray's arguments (``SlicePlacementGroup(topology="4x4",
+    accelerator_version="v6e")``, as with ``ray.util.tpu.SlicePlacementGroup``)
+    reserves the same way and takes the same keywords.
+
+    Unlike Ray's handle, each slice has its own placement group (so no group
+    ever straddles two slices) and every group is ready when you get the
+    handle; ``slice_placement_group`` is the single group of a one-slice
+    reservation, ``slice_placement_groups`` the list for any number.
 
     Attributes:
         request: What was reserved (topology, slices, per-host resources).
-        topology: The topology of each slice.
+        topology: The :class:`~rayslice.topology.Topology` of each slice.
         slices: The reserved slices, in slice-index order.
+        name: The reservation's name (shown by ``rayslice status``).
         wait_s: Seconds the reservation took.
     """
 
-    def __init__(self, request: SliceRequest, slices: tuple[ReservedSlice, ...], name: str, wait_s: float) -> None:
-        self.request = request
-        self.topology = request.topology
-        self.slices = slices
-        self.name = name
-        self.wait_s = wait_s
+    request: SliceRequest
+    slices: tuple[ReservedSlice, ...]
+    name: str
+    wait_s: float
+
+    def __init__(self, topology: str | Topology | SliceRequest, accelerator_version: str | None = None,
+                 **kwargs: Any) -> None:
+        held = slice_placement_group(topology, accelerator_version, **kwargs)
+        self.__dict__.update(held.__dict__)
+
+    @classmethod
+    def _held(cls, request: SliceRequest, slices: tuple[ReservedSlice, ...], name: str, wait_s: float,
+              pg_per_slice: bool = False) -> SlicePlacementGroup:
+        self = cls.__new__(cls)
+        self.request, self.slices, self.name, self.wait_s = request, slices, name, wait_s
+        self._pg_per_slice = pg_per_slice
         self._released = False
+        return self
+
+    @property
+    def topology(self) -> Topology:
+        return self.request.topology
 
     @property
     def placement_groups(self) -> list[Any]:
         """One placement group per slice, in slice order."""
         return [s.placement_group for s in self.slices]
+
+    @property
+    def slice_placement_groups(self) -> list[Any]:
+        """One placement group per slice, in slice order (Ray's name).
+
+        Raises:
+            ValueError: for a one-slice reservation made without
+                ``pg_per_slice=True``, as Ray's handle does (use
+                :attr:`slice_placement_group`, or :attr:`placement_groups`
+                which always works).
+        """
+        if not self._pg_per_slice and self.num_slices == 1:
+            raise ValueError("pg_per_slice=False, use `slice_placement_group` instead.")
+        return self.placement_groups
+
+    @property
+    def slice_placement_group(self) -> Any:
+        """The placement group of a one-slice reservation (Ray's name).
+
+        Raises:
+            ValueError: for several slices (each has its own group: use
+                :attr:`slice_placement_groups`), or when the reservation was
+                made with ``pg_per_slice=True``, as Ray's handle does.
+        """
+        if self._pg_per_slice:
+            raise ValueError("pg_per_slice=True, use `slice_placement_groups` instead.")
+        if self.num_slices > 1:
+            raise ValueError(f"this reservation holds {self.num_slices} slices, one placement group each "
+                             "(a group never straddles slices): use `slice_placement_groups`")
+        return self.slices[0].placement_group
+
+    @property
+    def placement_group(self) -> Any:
+        """Alias of :attr:`slice_placement_group` (Ray's name)."""
+        return self.slice_placement_group
+
+    @property
+    def accelerator_version(self) -> str:
+        """The generation as Ray names it, e.g. "v6e" or "v5litepod"."""
+        return self.topology.pod_type.rsplit("-", 1)[0]
 
     @property
     def num_slices(self) -> int:
@@ -99,6 +183,38 @@ class SlicePlacementGroup:
     def num_hosts(self) -> int:
         """Hosts over all slices (one gang process each)."""
         return sum(len(s.hosts) for s in self.slices)
+
+    @property
+    def num_bundles(self) -> int:
+        """Bundles over all slices: one per host."""
+        return self.num_hosts
+
+    @property
+    def chips_per_host(self) -> int:
+        return self.topology.chips_per_host
+
+    @property
+    def devices_per_host(self) -> int:
+        """``TPU`` resources one host's bundle holds (Ray's meaning: one per chip)."""
+        return self.topology.chips_per_host
+
+    @property
+    def bundle_resources(self) -> dict[str, float]:
+        """The resources each bundle holds (bundle 0 of each slice also holds its head resource)."""
+        return self.request.bundle_resources
+
+    @property
+    def bundle_label_selector(self) -> list[dict[str, str]]:
+        """The label selector of every bundle, slice by slice, in bundle order."""
+        return [{LABEL_SLICE: s.name, LABEL_WORKER_ID: str(h.worker_id)} for s in self.slices for h in s.hosts]
+
+    @property
+    def head_placement_groups(self) -> list[Any]:
+        """Always empty: rayslice claims a slice with its worker group alone (no head groups)."""
+        return []
+
+    def release_head_pgs(self, slice_index: int | None = None) -> None:
+        """Nothing to do: there are no head placement groups (kept for Ray parity)."""
 
     def hosts(self) -> Iterator[tuple[ReservedSlice, ReservedHost]]:
         """Every (slice, host) in rank order: slice index, then worker id."""
@@ -139,7 +255,11 @@ class SlicePlacementGroup:
         if self._released:
             return
         self._released = True
-        _remove_groups(self.placement_groups)
+        remove_groups(self.placement_groups)
+
+    def shutdown(self) -> None:
+        """Ray's name for :meth:`release`."""
+        self.release()
 
     def __enter__(self) -> SlicePlacementGroup:
         return self
@@ -152,100 +272,13 @@ class SlicePlacementGroup:
         return f"SlicePlacementGroup({self.topology.name} {self.topology.generation}, slices=[{names}])"
 
 
-def _remove_groups(groups: list[Any]) -> None:
-    from ray.util.placement_group import remove_placement_group
-
-    for pg in groups:
-        try:
-            remove_placement_group(pg)
-        except Exception:  # already removed, or the cluster is gone
-            logger.debug("removing placement group %s failed", pg.id, exc_info=True)
-
-
-def _bundles(s: SliceInfo, topo: Topology, extra: Mapping[str, float]) -> tuple[list[dict], list[dict]]:
-    bundles, selectors = [], []
-    for worker_id in range(topo.num_hosts):
-        b: dict[str, float] = {"TPU": float(topo.chips_per_host), **extra}
-        if worker_id == 0:
-            b[topo.head_resource] = 1.0
-        bundles.append(b)
-        selectors.append({LABEL_SLICE: s.name, LABEL_WORKER_ID: str(worker_id)})
-    return bundles, selectors
-
-
-def _create_groups(p: Plan, extra: Mapping[str, float], name: str, created: list[Any]) -> None:
-    from ray.util.placement_group import placement_group
-
-    for s in p.chosen:
-        bundles, selectors = _bundles(s, p.request, extra)
-        created.append(
-            placement_group(
-                bundles,
-                strategy="STRICT_SPREAD",
-                # Unique: the control plane refuses a second group of the same
-                # name, and two reservations may race for one slice.
-                name=f"{PG_NAME_PREFIX}{name}:{s.name}:{uuid.uuid4().hex[:6]}",
-                bundle_label_selector=selectors,
-            )
-        )
-
-
-def autoscaler_can_add_nodes(status: Mapping[str, Any] | None) -> bool:
-    """Whether an autoscaler status report comes from an autoscaler with node types (pure).
-
-    Every Ray head runs a monitor that publishes a status report; without an
-    autoscaling config (a plain ``ray start`` or the simulator) it uses a
-    read-only provider whose node types are just ``node_<node id>``. An
-    autoscaler that can launch nodes (KubeRay's, the cluster launcher's) names
-    its configured types (``headgroup``, ``tpu-v6e-4x4`` ...).
-    """
-    if not status:
-        return False
-    mapping = (status.get("autoscaler_report") or {}).get("node_type_mapping") or {}
-    return any(node_type != f"node_{node_id}" for node_id, node_type in mapping.items())
-
-
-def _autoscaler_configured() -> bool:
-    """True when an autoscaler (e.g. KubeRay's) can add slices to this cluster."""
-    from ray._private import ray_constants
-    from ray.experimental.internal_kv import _internal_kv_get, _internal_kv_initialized
-
-    if not _internal_kv_initialized():
-        return False
-    raw = _internal_kv_get(ray_constants.DEBUG_AUTOSCALING_STATUS.encode())
-    try:
-        return autoscaler_can_add_nodes(json.loads(raw) if raw else None)
-    except ValueError:
-        return False
-
-
-def _set_waiting(name: str, info: dict[str, Any] | None) -> None:
-    from ray.experimental.internal_kv import _internal_kv_del, _internal_kv_put
-
-    key = _WAITING_KV_PREFIX + name.encode()
-    try:
-        if info is None:
-            _internal_kv_del(key, namespace=_KV_NAMESPACE)
-        else:
-            _internal_kv_put(key, json.dumps(info).encode(), overwrite=True, namespace=_KV_NAMESPACE)
-    except Exception:  # status is best effort; never fail a reservation over it
-        logger.debug("could not publish waiting state", exc_info=True)
-
-
-def waiting_reservations() -> list[dict[str, Any]]:
-    """Reservations currently waiting for slices (published by every waiting driver)."""
-    from ray.experimental.internal_kv import _internal_kv_get, _internal_kv_list
-
-    out = []
-    for key in _internal_kv_list(_WAITING_KV_PREFIX, namespace=_KV_NAMESPACE):
-        raw = _internal_kv_get(key, namespace=_KV_NAMESPACE)
-        if raw:
-            out.append(json.loads(raw))
-    return out
-
-
-def explain(topology: str, accelerator_type: str, *, num_slices: int = 1, chips_per_host: int | None = None) -> Plan:
+def explain(topology: str | Topology | SliceRequest, accelerator_type: str | None = None, *,
+            num_slices: int | None = None, chips_per_host: int | None = None,
+            resources_per_host: Mapping[str, float] | None = None,
+            accelerator_version: str | None = None) -> Plan:
     """The per-slice report a reservation would act on, without reserving.
+
+    Takes the same request arguments as :func:`slice_placement_group`.
 
     Example:
         >>> print(rayslice.explain("2x2x2", "TPU-V4"))  # doctest: +SKIP
@@ -253,19 +286,33 @@ def explain(topology: str, accelerator_type: str, *, num_slices: int = 1, chips_
           - a: busy: host 1 has 0/4 chips free
           - b: free
     """
-    topo = Topology.parse(accelerator_type, topology, chips_per_host=chips_per_host)
-    return plan(topo, list_slices(), num_slices=num_slices)
+    request = request_from_args(topology, accelerator_type, accelerator_version, num_slices, chips_per_host, None,
+                           resources_per_host, None, None)
+    return plan(request, list_slices())
+
+
+_STRATEGIES = ("STRICT_SPREAD", "SPREAD", "PACK", "STRICT_PACK")
+_MIN_RACE_WINDOW_S = 0.5
 
 
 def slice_placement_group(
     topology: str | Topology | SliceRequest,
     accelerator_type: str | None = None,
-    *,
+    resources_per_bundle: Mapping[str, float] | None = None,
     num_slices: int | None = None,
+    chips_per_vm: int | None = None,
+    pg_per_slice: bool = False,
+    tpu_resource_per_chip: int | None = None,
+    *,
+    accelerator_version: str | None = None,
     chips_per_host: int | None = None,
     resources_per_host: Mapping[str, float] | None = None,
-    timeout_s: float = 300.0,
+    timeout_s: float | None = 300.0,
+    head_reservation_timeout_s: float | None = None,
     name: str | None = None,
+    strategy: str = "STRICT_SPREAD",
+    lifetime: str | None = None,
+    bundle_label_selector: Sequence[Mapping[str, str]] | Mapping[str, str] | None = None,
     autoscale: bool | None = None,
     race_window_s: float = 5.0,
     progress: bool = True,
@@ -274,26 +321,57 @@ def slice_placement_group(
 ) -> SlicePlacementGroup:
     """Reserves ``num_slices`` whole slices of ``topology``.
 
+    The positional order is Ray's (``ray.util.tpu.slice_placement_group``):
+    ``topology``, then the generation, then Ray's optional arguments; Ray's
+    keywords (``accelerator_version``, ``chips_per_vm``,
+    ``resources_per_bundle``, ``head_reservation_timeout_s``, ``strategy``,
+    ``lifetime``, ``bundle_label_selector``, ``pg_per_slice``) are accepted
+    beside rayslice's own. ``topology`` may also be a parsed
+    :class:`~rayslice.topology.Topology` or a whole
+    :class:`~rayslice.request.SliceRequest`.
+
     Args:
-        topology: Chip shape, e.g. "4x4" or "2x2x2".
-        accelerator_type: Generation in any spelling, e.g. "TPU-V6E", "v4".
-        num_slices: Distinct slices to reserve, all or nothing.
+        topology: Chip shape, e.g. "4x4" or "2x2x2" (or a Topology/SliceRequest).
+        accelerator_type: Generation in any spelling, e.g. "TPU-V6E", "v4"
+            (Ray's ``accelerator_version``).
+        resources_per_bundle: Ray's name for what each host's bundle holds;
+            a ``TPU`` entry must equal the chips per host (one bundle per host).
+        num_slices: Distinct slices to reserve, all or nothing (default 1).
+        chips_per_vm: Ray's name for ``chips_per_host``.
+        pg_per_slice: Only changes which of Ray's properties answer (each
+            slice always has its own group here).
+        tpu_resource_per_chip: Must be 1 (or None).
+        accelerator_version: Ray's name for ``accelerator_type``.
         chips_per_host: For shapes with two host layouts (v5e/v6e "2x4").
         resources_per_host: Extra resources each host's bundle holds (e.g. CPU).
-        timeout_s: Longest wait before :class:`ReservationTimeout`.
+        timeout_s: Longest wait for free slices before
+            :class:`ReservationTimeout` (0: take them only if free now; None:
+            no limit). A group just created always gets ``race_window_s`` to
+            become ready.
+        head_reservation_timeout_s: Ray's name for ``timeout_s``.
         name: Name shown in ``rayslice status`` (and in placement group names).
+        strategy: Placement strategy of each slice's group. Bundles are pinned
+            to hosts by label, so any spread strategy behaves the same; the
+            PACK strategies only fit single-host slices.
+        lifetime: None (the groups die with this driver) or "detached".
+        bundle_label_selector: Extra labels each bundle's host must carry, on
+            top of the slice/worker labels (which take precedence).
         autoscale: Whether an autoscaler may add slices; detected when None.
         race_window_s: How long a new group may stay pending before it is
-            treated as a lost race and planning starts over.
+            treated as a lost race and planning starts over (>= 0.5 s:
+            removing a group while Ray is still placing it can strand chips).
         progress: Show a progress line while waiting.
         clock: Monotonic clock (injectable for tests).
         sleep: Sleep paired with ``clock``.
 
     Returns:
-        The reservation; use it as a context manager or call ``release()``.
+        The reservation, every group ready; use it as a context manager or
+        call ``release()`` / ``shutdown()``.
 
     Raises:
-        NoMatchingSlice: No slice of that type and shape exists and nothing can add one.
+        InvalidArgument: A bad argument (before anything is created).
+        NoMatchingSlice: No slice of that type and shape exists (or none can
+            ever hold ``resources_per_host``) and nothing can add one.
         ReservationTimeout: Matching slices exist but none was free in time;
             the message explains every slice.
 
@@ -302,29 +380,47 @@ def slice_placement_group(
         >>> spg.num_hosts, spg.release()  # doctest: +SKIP
         (2, None)
     """
-    request = SliceRequest.parse(topology, accelerator_type, num_slices=num_slices,
-                                 chips_per_host=chips_per_host, resources_per_host=resources_per_host)
-    topo, num_slices, extra = request.topology, request.num_slices, dict(request.resources_per_host)
-    name = name or f"job-{uuid.uuid4().hex[:8]}"
-    if ":" in name or not name.strip():
-        raise ValueError(f"name {name!r} is not valid: it must be non-empty and must not contain ':'")
+    request = request_from_args(topology, accelerator_type, accelerator_version, num_slices, chips_per_host,
+                           chips_per_vm, resources_per_host, resources_per_bundle, tpu_resource_per_chip)
+    if head_reservation_timeout_s is not None:
+        timeout_s = head_reservation_timeout_s
+    timeout_s = check_optional(check_float, "timeout_s", timeout_s, minimum=0, allow_inf=True)
+    if timeout_s is not None and math.isinf(timeout_s):
+        timeout_s = None
+    race_window_s = check_float("race_window_s", race_window_s, minimum=_MIN_RACE_WINDOW_S)
+    check_bool("pg_per_slice", pg_per_slice)
+    check_bool("progress", progress)
+    strategy = check_choice("strategy", strategy, _STRATEGIES)
+    if strategy.endswith("PACK") and request.hosts_per_slice > 1:
+        raise fail("strategy", strategy, f"a SPREAD strategy: a {request.topology} slice spans "
+                                         f"{request.hosts_per_slice} hosts (Ray nodes), which PACK cannot place")
+    lifetime = check_choice("lifetime", lifetime, (None, "detached"))
+    selectors = bundle_label_selectors(bundle_label_selector, request)
+    if name is None or name == "":
+        name = f"job-{uuid.uuid4().hex[:8]}"
+    if not isinstance(name, str) or ":" in name or not name.strip():
+        raise fail("name", name, "a non-empty string without ':'")
+    topo, num = request.topology, request.num_slices
     deadline = Deadline(timeout_s, clock=clock, sleep=sleep)
-    display = WaitDisplay(f"reserving {num_slices} x {topo}", enabled=progress, clock=clock)
+    display = WaitDisplay(f"reserving {request}", enabled=progress, clock=clock)
     if autoscale is None:
-        autoscale = _autoscaler_configured()
+        autoscale = autoscaler_configured()
+    group_options = {"strategy": strategy, "lifetime": lifetime}
     created: list[Any] = []
     raced: set[str] = set()
     interval = 0.05
     asked_autoscaler = False
     try:
         while True:
-            p = plan(topo, list_slices(), num_slices=num_slices, exclude=raced)
+            p = plan(request, list_slices(), exclude=raced)
             raced.clear()
             if p.ok:
-                _create_groups(p, extra, name, created)
+                create_groups(p, selectors, name, group_options, created)
                 # PlacementGroup.wait takes whole seconds, too coarse for a
-                # group that is ready in milliseconds: poll it, gently.
-                wait_until = clock() + min(race_window_s, deadline.remaining)
+                # group that is ready in milliseconds: poll it, gently. A new
+                # group always gets the race window, whatever is left of the
+                # deadline (which bounds the wait for free slices).
+                wait_until = clock() + race_window_s
                 pending = list(created)
                 while pending:
                     pending = [pg for pg in pending if not pg.wait(timeout_seconds=0)]
@@ -332,52 +428,44 @@ def slice_placement_group(
                         break
                     sleep(0.005)
                 if not pending:
-                    return _build(request, p, created, name, deadline.elapsed)
+                    return _build(request, p, created, name, deadline.elapsed, pg_per_slice)
                 # Lost a race (or the snapshot was stale): give back everything
                 # and plan again, skipping the slices that did not come through.
                 raced = {s.name for s, pg in zip(p.chosen, created) if pg in pending}
-                _remove_groups(created)
+                remove_groups(created)
                 created.clear()
-            elif p.num_matching < num_slices and not autoscale:
+            elif p.num_matching < num and not autoscale:
                 raise NoMatchingSlice(
-                    f"no {num_slices} slice(s) of {topo} in this cluster and no autoscaler to add them",
+                    f"no {num} slice(s) of {topo} in this cluster"
+                    + (" able to hold the per-host resources" if request.resources_per_host else "")
+                    + " and no autoscaler to add them",
                     p.explain(),
                 )
             elif autoscale and not asked_autoscaler:
-                _request_capacity(topo, num_slices)
+                request_capacity(topo, num)
                 asked_autoscaler = True
             if deadline.expired:
-                raise ReservationTimeout(
-                    f"no {num_slices} free slice(s) of {topo} within {timeout_s:g} s", p.explain()
-                )
+                raise ReservationTimeout(f"no {num} free slice(s) of {topo} within {timeout_s:g} s", p.explain())
             if display.update(p, deadline):
-                _set_waiting(name, {"name": name, "request": f"{num_slices} x {topo}", "since_s": deadline.elapsed,
-                                    "report": p.explain()})
+                publish_waiting(name, {"name": name, "request": str(request), "since_s": deadline.elapsed,
+                                       "report": p.explain()})
             sleep(min(interval, deadline.remaining))
             interval = min(interval * 1.5, 1.0)
     except BaseException:
-        _remove_groups(created)
+        remove_groups(created)
         raise
     finally:
         display.close()
         if display.shown:
-            _set_waiting(name, None)
+            publish_waiting(name, None)
         if asked_autoscaler:
-            _request_capacity(topo, 0)
+            request_capacity(topo, 0)
 
 
-def _request_capacity(topo: Topology, num_slices: int) -> None:
-    """Asks the autoscaler for slices the way it understands TPU demand."""
-    from ray.autoscaler.sdk import request_resources
-
-    # A TPU-<pod type>-head demand makes Ray's autoscaler (and KubeRay's) scale a
-    # multi-host worker group by one whole slice per head.
-    request_resources(bundles=[{topo.head_resource: 1}] * num_slices)
-
-
-def _build(request: SliceRequest, p: Plan, groups: list[Any], name: str, wait_s: float) -> SlicePlacementGroup:
+def _build(request: SliceRequest, p: Plan, groups: list[Any], name: str, wait_s: float,
+           pg_per_slice: bool) -> SlicePlacementGroup:
     reserved = []
     for index, (s, pg) in enumerate(zip(p.chosen, groups)):
         hosts = tuple(ReservedHost(h.worker_id, h.node_id, h.ip, bundle_index=h.worker_id) for h in s.hosts)
         reserved.append(ReservedSlice(s.name, index, hosts, pg))
-    return SlicePlacementGroup(request, tuple(reserved), name, wait_s)
+    return SlicePlacementGroup._held(request, tuple(reserved), name, wait_s, pg_per_slice)

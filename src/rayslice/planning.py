@@ -11,7 +11,7 @@ Example:
     >>> h = lambda w, free: HostInfo(w, f"n{w}", "10.0.0.1", True, 4.0, free)
     >>> a = SliceInfo("a", "TPU-V4", "2x2x2", "v4-16", 4, 2, (h(0, 4.0), h(1, 0.0)))
     >>> b = SliceInfo("b", "TPU-V4", "2x2x2", "v4-16", 4, 2, (h(0, 4.0), h(1, 4.0)))
-    >>> p = plan(Topology.parse("v4", "2x2x2"), [a, b])
+    >>> p = plan(SliceRequest.parse("2x2x2", "v4"), [a, b])
     >>> [s.name for s in p.chosen], p.verdict("a").reason
     (['b'], 'busy: host 1 has 0/4 chips free')
 """
@@ -21,7 +21,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Sequence
 
-from rayslice.cluster import SliceInfo
+from rayslice.cluster import HostInfo, SliceInfo
+from rayslice.request import SliceRequest
 from rayslice.topology import Topology
 
 
@@ -42,10 +43,17 @@ class SliceVerdict:
 class Plan:
     """The outcome of planning: the slices to take, and a verdict on every slice."""
 
-    request: Topology
-    num_slices: int
+    request: SliceRequest
     chosen: tuple[SliceInfo, ...]
     verdicts: tuple[SliceVerdict, ...]
+
+    @property
+    def topology(self) -> Topology:
+        return self.request.topology
+
+    @property
+    def num_slices(self) -> int:
+        return self.request.num_slices
 
     @property
     def ok(self) -> bool:
@@ -63,9 +71,25 @@ class Plan:
                 return v
         raise KeyError(slice_name)
 
+    def first_reason(self) -> str:
+        """The most relevant reason the request waits, for a one-line display.
+
+        Example:
+            >>> Plan(SliceRequest(Topology.parse("2x2x2", "v4")), (), ()).first_reason()
+            'no TPU slices in the cluster'
+        """
+        reasons = [v for v in self.verdicts if v.matches_shape] or list(self.verdicts)
+        if not reasons:
+            return "no TPU slices in the cluster"
+        why = str(reasons[0])
+        return why + (f" (+{len(reasons) - 1} more)" if len(reasons) > 1 else "")
+
     def explain(self) -> str:
         """A human report: the request, then one line per slice of the cluster."""
-        want = f"{self.num_slices} x {self.request}"
+        want = str(self.request)
+        extra = self.request.resources_per_host
+        if extra:
+            want += " with " + ", ".join(f"{k}={v:g}" for k, v in sorted(extra.items())) + " per host"
         head = f"request: {want}; {self.num_matching} slice(s) of that type and shape, {len(self.chosen)} usable now"
         if not self.verdicts:
             return head + "\n  (the cluster has no TPU slices)"
@@ -76,8 +100,22 @@ class Plan:
         return self.explain()
 
 
-def _reason(s: SliceInfo, want: Topology) -> tuple[bool, bool, str]:
+def _resource_problem(hosts: tuple[HostInfo, ...], extra: dict[str, float]) -> tuple[bool, str] | None:
+    """(can ever fit, reason) when the hosts lack the extra per-host resources; None when they fit now."""
+    for h in hosts:
+        for key, amount in extra.items():
+            total = h.resources_total.get(key, 0.0)
+            if total < amount:
+                have = f"{total:g} {key} in total" if key in h.resources_total else f"no {key!r} resource"
+                return False, f"too small: host {h.worker_id} has {have}, request wants {amount:g} per host"
+    busy = [f"host {h.worker_id} has {h.resources_free.get(k, 0.0):g}/{h.resources_total.get(k, 0.0):g} {k} free"
+            for h in hosts for k, amount in extra.items() if h.resources_free.get(k, 0.0) < amount]
+    return (True, "busy: " + ", ".join(busy)) if busy else None
+
+
+def _reason(s: SliceInfo, request: SliceRequest) -> tuple[bool, bool, str]:
     """(matches_shape, usable, reason) for one slice; string compares only, for speed."""
+    want = request.topology
     if s.problem is not None:
         return False, False, f"not a known slice ({s.problem})"
     if s.pod_type != want.pod_type or s.topology != want.name:
@@ -98,18 +136,24 @@ def _reason(s: SliceInfo, want: Topology) -> tuple[bool, bool, str]:
         problems.append("unexpected worker id(s) " + ", ".join(map(str, extra)))
     if problems:
         return True, False, "incomplete: " + "; ".join(problems)
+    if request.resources_per_host:
+        lacking = _resource_problem(s.hosts, dict(request.resources_per_host))
+        if lacking is not None and not lacking[0]:
+            return False, False, lacking[1]  # can never fit: not a match for this request
     busy = [h for h in s.hosts if not h.is_free]
     if busy:
         detail = ", ".join(f"host {h.worker_id} has {h.chips_free:g}/{h.chips_total:g} chips free" for h in busy)
         return True, False, f"busy: {detail}"
+    if request.resources_per_host and lacking is not None:
+        return True, False, lacking[1]
     return True, True, "free"
 
 
 def plan(
-    request: Topology,
+    request: SliceRequest | Topology,
     slices: Sequence[SliceInfo],
     *,
-    num_slices: int = 1,
+    num_slices: int | None = None,
     exclude: Iterable[str] = (),
 ) -> Plan:
     """Picks ``num_slices`` whole free slices matching ``request``.
@@ -119,17 +163,18 @@ def plan(
     layout, every host is alive, and no chip of any host is held.
 
     Args:
-        request: The topology wanted (from :meth:`Topology.parse`).
+        request: What is wanted: a :class:`SliceRequest` (or a bare
+            :class:`Topology`, meaning one slice with no extra resources).
         slices: The cluster's slices (:func:`rayslice.cluster.parse_slices`).
-        num_slices: How many distinct slices are needed.
+        num_slices: Overrides the request's number of slices.
         exclude: Slice names not to choose (e.g. just lost to a race).
 
     Returns:
         A :class:`Plan`; ``plan.ok`` is False when not enough slices are free,
         and then ``plan.chosen`` is empty (all or nothing).
     """
-    if num_slices < 1:
-        raise ValueError(f"num_slices={num_slices} must be >= 1")
+    request = SliceRequest.parse(request, num_slices=num_slices)
+    num_slices = request.num_slices
     excluded = set(exclude)
     verdicts = []
     free: list[SliceInfo] = []
@@ -142,4 +187,4 @@ def plan(
             free.append(s)
     free.sort(key=lambda s: s.name)
     chosen = tuple(free[:num_slices]) if len(free) >= num_slices else ()
-    return Plan(request=request, num_slices=num_slices, chosen=chosen, verdicts=tuple(verdicts))
+    return Plan(request=request, chosen=chosen, verdicts=tuple(verdicts))

@@ -25,12 +25,9 @@ import socket
 import time
 from typing import Any
 
-NAMESPACE = "rayslice"
+from rayslice.gang import NAMESPACE, host_context
+
 _KV_PREFIX = b"rayslice/profiler/"
-
-
-def gang_actor_name(gang: str, gang_id: str, rank: int) -> str:
-    return f"{gang}/{gang_id}/{rank}"
 
 
 def init_jax_profiler(port: int | None = None) -> int:
@@ -42,8 +39,6 @@ def init_jax_profiler(port: int | None = None) -> int:
     import jax
     import ray
     from ray.experimental.internal_kv import _internal_kv_put
-
-    from rayslice.gang import host_context
 
     if port is None:
         with socket.socket() as s:  # the server binds it right after; local to this host
@@ -59,12 +54,10 @@ def init_jax_profiler(port: int | None = None) -> int:
 
 
 def _default_dir(gang: str) -> str:
-    # Runs in a gang process: a training run's storage, else the results root.
-    from rayslice.train import worker
-
-    session = worker._SESSION
-    if session is not None and session.ctx.experiment_name == gang:
-        return os.path.join(session.ctx.run_path, "profiles")
+    # Runs in a gang process: the job's own outputs (a training run's path), else the results root.
+    ctx = host_context()
+    if ctx.artifacts_dir:
+        return os.path.join(ctx.artifacts_dir, "profiles")
     return os.path.join(os.path.expanduser("~/rayslice_results"), gang, "profiles")
 
 

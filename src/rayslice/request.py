@@ -25,7 +25,7 @@ from typing import Any
 from rayslice._validate import check_int, check_resources, fail
 from rayslice.topology import Topology
 
-__all__ = ["SliceRequest"]
+__all__ = ["SliceRequest", "bundle_label_selectors", "request_from_args"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,3 +117,74 @@ class SliceRequest:
 
     def __str__(self) -> str:
         return f"{self.num_slices} x {self.topology}"
+
+
+def request_from_args(topology: Any, accelerator_type: Any, accelerator_version: Any, num_slices: Any,
+                 chips_per_host: Any, chips_per_vm: Any, resources_per_host: Any,
+                 resources_per_bundle: Any, tpu_resource_per_chip: Any) -> SliceRequest:
+    """One SliceRequest from rayslice's or Ray's spelling of the same arguments.
+
+    Ray's ``accelerator_version``, ``chips_per_vm``, ``resources_per_bundle``
+    and ``tpu_resource_per_chip`` map onto rayslice's fields; giving both
+    spellings of one thing with different values is an error.
+
+    Example:
+        >>> request_from_args("4x4", None, "v6e", 1, None, None, None, {"TPU": 4, "CPU": 1}, None).bundle_resources
+        {'TPU': 4.0, 'CPU': 1.0}
+    """
+    if accelerator_version is not None:
+        if accelerator_type is not None and accelerator_type != accelerator_version:
+            raise fail("accelerator_version", accelerator_version,
+                       f"the same as accelerator_type={accelerator_type!r}, or pass only one of them")
+        accelerator_type = accelerator_version
+    if chips_per_vm is not None:
+        if chips_per_host is not None and chips_per_host != chips_per_vm:
+            raise fail("chips_per_vm", chips_per_vm, f"the same as chips_per_host={chips_per_host!r}, or only one")
+        chips_per_host = chips_per_vm
+    if tpu_resource_per_chip not in (None, 1) or isinstance(tpu_resource_per_chip, bool):
+        raise fail("tpu_resource_per_chip", tpu_resource_per_chip, "1 or None (one TPU resource per chip)")
+    if chips_per_host is not None:
+        check_int("chips_per_host", chips_per_host, minimum=1)
+    if resources_per_bundle is not None:
+        if resources_per_host is not None:
+            raise fail("resources_per_bundle", resources_per_bundle,
+                       "None when resources_per_host is given (they are the same thing)")
+        bundle = check_resources("resources_per_bundle", resources_per_bundle)
+        chips = bundle.pop("TPU", None)
+        request = SliceRequest.parse(topology, accelerator_type, num_slices=num_slices,
+                                     chips_per_host=chips_per_host, resources_per_host=bundle)
+        if chips is not None and chips != request.topology.chips_per_host:
+            raise fail("resources_per_bundle", resources_per_bundle,
+                       f"'TPU': {request.topology.chips_per_host} or no 'TPU' entry: rayslice reserves one bundle "
+                       f"per host holding all its chips ({request.topology})")
+        return request
+    return SliceRequest.parse(topology, accelerator_type, num_slices=num_slices, chips_per_host=chips_per_host,
+                              resources_per_host=resources_per_host)
+
+
+def bundle_label_selectors(value: Any, request: SliceRequest) -> list[dict[str, str]]:
+    """Extra per-bundle label selectors: one dict for all, one per host of a slice, or one per bundle.
+
+    Example:
+        >>> r = SliceRequest.parse("2x2x2", "v4", num_slices=2)
+        >>> bundle_label_selectors({"pool": "a"}, r)
+        [{'pool': 'a'}, {'pool': 'a'}, {'pool': 'a'}, {'pool': 'a'}]
+    """
+    if value is None:
+        return [{} for _ in range(request.num_hosts)]
+    if isinstance(value, Mapping):
+        value = [value]
+    valid = (f"a dict of label -> value, or a list of 1, {request.hosts_per_slice} (per host of a slice) "
+             f"or {request.num_hosts} (per bundle) dicts")
+    if not isinstance(value, list | tuple) or not all(isinstance(d, Mapping) for d in value):
+        raise fail("bundle_label_selector", value, valid, got_type=True)
+    for d in value:
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in d.items()):
+            raise fail("bundle_label_selector", value, "labels and values as strings")
+    if len(value) == 1:
+        return [dict(value[0]) for _ in range(request.num_hosts)]
+    if len(value) == request.hosts_per_slice:
+        return [dict(d) for _ in range(request.num_slices) for d in value]
+    if len(value) == request.num_hosts:
+        return [dict(d) for d in value]
+    raise fail("bundle_label_selector", value, valid)

@@ -29,6 +29,8 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from rayslice._deadline import Deadline
+from rayslice._validate import check_instance, check_int, check_optional, fail
+from rayslice.errors import InvalidArgument
 from rayslice.topology import Topology
 
 #: Ray settings that make a killed node be declared dead within ~2 s instead of
@@ -69,21 +71,24 @@ class SliceSpec:
     name: str | None = None
     chips_per_host: int | None = None
     cpus_per_host: int = 2
+    _topology: Topology = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        # Validate eagerly: a bad spec must fail before any process starts.
-        self.topology_info  # noqa: B018 - raises ValueError when invalid
-        if self.name is not None and not re.fullmatch(r"[a-z0-9]([a-z0-9-]*[a-z0-9])?", self.name):
-            raise ValueError(
-                f"slice name {self.name!r} is not valid; use lowercase letters, digits and '-'"
-            )
+        # Validate eagerly, once: a bad spec must fail before any process starts.
+        check_optional(check_int, "chips_per_host", self.chips_per_host, minimum=1)
+        topo = Topology.parse(self.topology, self.accelerator_type, chips_per_host=self.chips_per_host)
+        object.__setattr__(self, "_topology", topo)
+        if self.name is not None and (not isinstance(self.name, str)
+                                      or not re.fullmatch(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?", self.name)):
+            raise InvalidArgument(f"slice name {self.name!r} is not valid; use lowercase letters, digits and '-'")
+        check_int("cpus_per_host", self.cpus_per_host)
         if self.cpus_per_host < 1:
-            raise ValueError(f"cpus_per_host={self.cpus_per_host} must be >= 1")
+            raise InvalidArgument(f"cpus_per_host={self.cpus_per_host} must be >= 1")
 
     @property
     def topology_info(self) -> Topology:
-        """The catalog entry for this slice."""
-        return Topology.parse(self.accelerator_type, self.topology, chips_per_host=self.chips_per_host)
+        """The catalog entry for this slice (parsed once, at construction)."""
+        return self._topology
 
     @classmethod
     def parse(cls, text: str) -> SliceSpec:
@@ -93,6 +98,8 @@ class SliceSpec:
             >>> SliceSpec.parse("v6e:2x4:4@pool-a").name
             'pool-a'
         """
+        if not isinstance(text, str):
+            raise fail("slice", text, "a string GEN:TOPOLOGY[:CHIPS_PER_HOST][@NAME], e.g. v4:2x2x2", got_type=True)
         m = _SLICE_ARG.match(text.strip())
         if not m:
             raise ValueError(
@@ -101,6 +108,19 @@ class SliceSpec:
             )
         cph = int(m["cph"]) if m["cph"] else None
         return cls(m["gen"], m["topo"], name=m["name"], chips_per_host=cph)
+
+
+def _specs(slices: object) -> list[SliceSpec]:
+    """SliceSpecs, or their CLI strings ("v4:2x2x2"), validated before anything starts."""
+    if isinstance(slices, SliceSpec | str) or not isinstance(slices, Sequence):
+        raise fail("slices", slices, "a list of SliceSpec or 'GEN:TOPOLOGY' strings, e.g. ['v4:2x2x2']",
+                   got_type=True)
+    out = []
+    for item in slices:
+        if isinstance(item, str):
+            item = SliceSpec.parse(item)
+        out.append(check_instance("slices", item, SliceSpec, "SliceSpec objects or 'GEN:TOPOLOGY' strings"))
+    return out
 
 
 @dataclasses.dataclass
@@ -201,9 +221,11 @@ class SimulatedCluster:
         log_to_driver: bool = False,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        check_int("object_store_mb", object_store_mb)
         if object_store_mb < 80:
-            raise ValueError(f"object_store_mb={object_store_mb} is below Ray's minimum of 80")
-        self._specs = list(slices)
+            raise InvalidArgument(f"object_store_mb={object_store_mb} is below Ray's minimum of 80")
+        check_int("head_cpus", head_cpus, minimum=1)
+        self._specs = _specs(slices)
         self._head_cpus = head_cpus
         self._store_bytes = object_store_mb * 1024 * 1024
         self._connect = connect
@@ -310,8 +332,15 @@ class SimulatedCluster:
         return sum(h.alive for s in self._slices.values() for h in s.hosts)
 
     # -- changes (a node pool's life) --------------------------------------
-    def add_slice(self, spec: SliceSpec) -> str:
-        """Brings up a new slice, as a node pool recreating one; returns its name."""
+    def add_slice(self, spec: SliceSpec | str) -> str:
+        """Brings up a new slice (a SliceSpec or "GEN:TOPOLOGY[@NAME]"), as a node pool recreating one.
+
+        Returns:
+            The new slice's name.
+        """
+        (spec,) = _specs([spec])
+        if spec.name is not None and spec.name in self._slices:
+            raise fail("spec", spec.name, "a slice name not already in the cluster")
         if self._cluster is None:
             raise RuntimeError("SimulatedCluster is not running")
         return self._start_slice(spec).name

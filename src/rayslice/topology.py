@@ -27,10 +27,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-__all__ = ["GENERATIONS", "Generation", "Topology", "chips_per_host_options",
-           "generation", "valid_topologies"]
+from rayslice.errors import InvalidArgument
+
+__all__ = ["GENERATIONS", "MEGASCALE_PORT", "Generation", "Topology", "chips_per_host_options",
+           "generation", "is_shape", "valid_topologies"]
 
 GENERATIONS: tuple[str, ...] = ("v4", "v5e", "v5p", "v6e", "v7x")
+
+#: The port libtpu's Megascale (multi-slice DCN) traffic uses: GKE/KubeRay open it
+#: as ``mxla`` on TPU worker pods; rayslice's gang sets it as ``MEGASCALE_PORT``.
+MEGASCALE_PORT = 8081
 
 
 @dataclass(frozen=True)
@@ -179,7 +185,7 @@ def generation(name: str) -> Generation:
     # A pod type ("v6e-16", "tpu7x-16") names its generation plus a size.
     key = re.sub(r"-\d+$", "", key)
     if key not in _ALIASES:
-        raise ValueError(
+        raise InvalidArgument(
             f"{name!r} is not a known TPU generation; valid: {', '.join(GENERATIONS)}"
             " (also spelled like 'TPU-V6E', 'tpu-v6e-slice' or 'v6e-16')"
         )
@@ -195,6 +201,15 @@ def valid_topologies(generation: str) -> list[str]:
     return list(_gen(generation).topologies)
 
 
+def is_shape(value: object) -> bool:
+    """Whether ``value`` is spelled like a chip shape ("4x4", "2x2x2"), valid or not.
+
+    >>> is_shape("4X4"), is_shape("v6e")
+    (True, False)
+    """
+    return _parse_shape(value) is not None
+
+
 def _is_generation(name: object) -> bool:
     return isinstance(name, str) and re.sub(r"-\d+$", "", name.strip().lower()) in _ALIASES
 
@@ -204,8 +219,8 @@ def _is_generation(name: object) -> bool:
 _gen = generation
 
 
-def _bad_topology(value: object, gen: Generation, why: str = "") -> ValueError:
-    return ValueError(
+def _bad_topology(value: object, gen: Generation, why: str = "") -> InvalidArgument:
+    return InvalidArgument(
         f"{value!r} is not a {gen.name} topology{why}; valid: {', '.join(gen.topologies)}"
     )
 
@@ -226,7 +241,7 @@ def _check_shape(gen: Generation, value: object, shape: tuple[int, ...] | None) 
 def _parse_shape(topology: object) -> tuple[int, ...] | None:
     if isinstance(topology, str):
         text = re.sub(r"\s+", "", topology).lower()
-        if re.fullmatch(r"\d+(x\d+)+", text):
+        if re.fullmatch(r"\d{1,6}(x\d{1,6})+", text):  # no real axis has 7 digits
             return _dims(text)
         return None
     ints = isinstance(topology, (tuple, list)) and all(
@@ -288,7 +303,7 @@ class Topology:
         options = chips_per_host_options(gen.name, self.name)
         per_host = self.chips_per_host
         if type(per_host) is not int or per_host not in options:  # no bool/float
-            raise ValueError(
+            raise InvalidArgument(
                 f"chips_per_host={self.chips_per_host!r} is not possible for "
                 f"{gen.name} {self.name}; valid: {', '.join(map(str, options))}"
             )
@@ -320,10 +335,11 @@ class Topology:
         >>> Topology.parse("TPU-V4", "2x2x2") == Topology.parse("2x2x2", "TPU-V4")
         True
         """
-        if _is_generation(topology) and not _is_generation(accelerator_type):
+        old_order = _parse_shape(accelerator_type) is not None and _parse_shape(topology) is None
+        if old_order or (_is_generation(topology) and not _is_generation(accelerator_type)):
             topology, accelerator_type = accelerator_type, topology  # the older (generation, shape) order
         if isinstance(accelerator_type, str) and _parse_shape(accelerator_type) is not None:
-            raise ValueError(f"accelerator_type={accelerator_type!r} is a shape, not a TPU generation; "
+            raise InvalidArgument(f"accelerator_type={accelerator_type!r} is a shape, not a TPU generation; "
                              f"valid: {', '.join(GENERATIONS)}")
         gen = generation(accelerator_type)
         shape = _parse_shape(topology)
