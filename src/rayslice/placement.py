@@ -399,7 +399,7 @@ def slice_placement_group(
     if name is None or name == "":
         name = f"job-{uuid.uuid4().hex[:8]}"
     if not isinstance(name, str) or ":" in name or not name.strip():
-        raise fail("name", name, "a non-empty string without ':'")
+        raise fail("name", name, "a non-empty string (it must not contain ':')")
     topo, num = request.topology, request.num_slices
     deadline = Deadline(timeout_s, clock=clock, sleep=sleep)
     display = WaitDisplay(f"reserving {request}", enabled=progress, clock=clock)
