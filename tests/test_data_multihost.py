@@ -162,3 +162,66 @@ def test_batch_predict_with_setup_state(ray_cluster):
                                       keep_columns=["id"])
     rows = sorted(out.take_all(), key=lambda r: r["id"])
     assert [r["prediction"] for r in rows] == [3.0 * i for i in range(40)]
+
+
+def _disagreeing_hosts() -> list[str]:
+    """Runs on each host: one case per row, every host in the same order; returns what each case ended with."""
+    import jax
+
+    from rayslice.data import iter_jax_batches
+
+    r = jax.process_index()
+    ids = np.arange(16)
+    cases = [
+        ([{"id": ids}], dict(batch_size=8 if r == 0 else 16)),
+        ([{"id": ids, "x": ids * 1.0} if r == 0 else {"id": ids}], dict(batch_size=8)),
+        ([{"id": ids, "x": ids.astype(np.int32 if r == 0 else np.float32)}], dict(batch_size=8)),
+        ([{"id": ids, "name": np.array(["a"] * 16) if r == 1 else ids}], dict(batch_size=8)),
+        ([{"id": np.arange(12) + 100 * r}], dict(batch_size=8, drop_last=False)),  # Ray's default: keep
+        ([{"id": np.arange(12 if r == 0 else 10)}], dict(batch_size=8, prefetch_batches=1)),
+    ]
+    out = []
+    for source, kwargs in cases:
+        try:
+            shapes = [b["id"].shape for b in iter_jax_batches(source, agreement_timeout_s=60, **kwargs)]
+            out.append(f"ok {shapes}")
+        except Exception as e:
+            out.append(f"{type(e).__name__}: {e}")
+    return out
+
+
+def test_hosts_that_disagree_fail_together_naming_the_difference(ray_cluster):
+    import ray
+
+    with rayslice.slice_placement_group("2x2x2", "TPU-V4", timeout_s=60, progress=False) as spg, \
+            rayslice.SliceGang(spg, init_timeout_s=90) as gang:
+        h0, h1 = ray.get([a.call.remote(_disagreeing_hosts, (), {}) for a in gang.actors], timeout=180)
+    assert h0[0] == h1[0] == "ValueError: hosts disagree on batch_size (host 0: 8, host 1: 16); " \
+                             "every host must pass the same batch_size"
+    assert h0[1] == h1[1] and h0[1].startswith("ValueError: hosts have different columns: host 0: ['id', 'x'], "
+                                               "host 1: ['id'] (missing on host 1: ['x']")
+    assert h0[2] == h1[2] and "column 'x' is int32[] on host 0 but float32[] on host 1" in h0[2]
+    # A host whose own data is bad fails with the reason; the other learns it at once instead of hanging.
+    assert h1[3].startswith("TypeError: column 'name' holds strings") and "host_columns=['name']" in h1[3]
+    assert h0[3].startswith("RuntimeError: host 1 failed before the first step: TypeError: column 'name'")
+    assert h0[4] == h1[4] == "ok [(16,), (8,)]"  # the smaller last batch, as Ray yields it
+    assert h0[5] == h1[5] and "hosts hold different numbers of rows at the last batch (host 0: 4, host 1: 2)" in h0[5]
+
+
+def test_batch_predict_on_a_held_slice_and_from_a_slice_request(ray_cluster):
+    import ray
+
+    from rayslice.request import SliceRequest
+
+    ds = ray.data.range(24).map_batches(lambda b: {"id": b["id"], "x": b["id"].astype(np.float32),
+                                                   "v": np.ones((len(b["id"]), 3), np.float32)})
+    request = SliceRequest.parse("2x2x2", "TPU-V4")  # built once, passed down
+    with rayslice.slice_placement_group(request, timeout_s=60, progress=False) as spg:
+        out = rayslice.data.batch_predict(ds, _double, tpu_slice=spg, batch_size=8, input_columns=["x", "v"],
+                                          keep_columns=["id"])
+        assert not spg.released  # the caller's reservation: neither reserved again nor released
+        assert sorted((r["id"], r["y"]) for r in out.take_all()) == [(i, 2.0 * i) for i in range(24)]
+    out = rayslice.data.batch_predict(ds, _double, topology=request, batch_size=8, input_columns=["x", "v"],
+                                      keep_columns=["id"])
+    assert out.count() == 24
+    assert live_groups(PG_NAME_PREFIX) == []

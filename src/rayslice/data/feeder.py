@@ -4,20 +4,24 @@ Each host reads its own rows (``batch_size`` per host per step), casts them on
 the host, and assembles one global ``jax.Array`` of ``batch_size x
 process_count`` rows sharded along the batch dimension. A background thread
 keeps the next ``prefetch`` batches already on device while the current step
-runs.
+runs. Options are one :class:`~rayslice.data.FeederOptions`, checked when the
+iterator is built; Ray's ``Dataset.iter_jax_batches`` arguments are accepted
+too (see :func:`~rayslice.data.options.build_options`).
 
-The last batch is an explicit choice (``ragged``): ``"raise"`` (default; an
-error naming the rows left, raised before any partial batch is yielded),
-``"drop"``, or ``"pad"`` (to ``batch_size`` with ``pad_value``, plus a boolean
-``mask`` marking real rows, sharded like the batch; under ``"pad"`` every batch
-carries the mask, so the pytree never changes and a jitted step never
-recompiles for the last batch).
+The last batch is an explicit :class:`~rayslice.data.Ragged` choice:
+``"raise"`` (default; an error naming the rows left, raised before any
+partial batch is yielded), ``"drop"``, ``"pad"`` (to ``batch_size`` with
+``pad_value``, plus a boolean ``mask`` marking real rows, sharded like the
+batch; every batch carries it, so a jitted step never recompiles for the last
+one) or ``"keep"`` (Ray's default: a smaller last batch).
 
 Hosts agree on every step (``agree=True``, the default when there is more than
 one process): if one host's shard runs out first, the policy applies on every
-host at the same step, so no host waits forever in a collective. Its cost is
-one key-value exchange per ``agree_window`` steps (default 8) on the prefetch
-thread, overlapped with compute (measured by ``make bench``).
+host at the same step, so no host waits forever in a collective. Before the
+first step they compare settings and column layouts, so hosts that differ in
+``batch_size``, columns or dtypes fail at once with the difference named. The
+cost is one key-value exchange per ``agree_window`` steps (default 8) on the
+prefetch thread, overlapped with compute (measured by ``make bench``).
 
 Example:
     >>> import numpy as np
@@ -33,82 +37,20 @@ from __future__ import annotations
 import collections
 import queue
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from rayslice._agreement import RowAgreement, next_stream_id
-from rayslice._rebatch import Batch, host_batches
+from rayslice._validate import fail
+from rayslice.data import _columns as cols
+from rayslice.data._agreement import RowAgreement, next_stream_id
+from rayslice.data._rebatch import Batch, check_source, host_batches
+from rayslice.data._sharding import batch_sharding, default_sharding
+from rayslice.data._steps import Step, decide
+from rayslice.data.options import FeederOptions, Ragged, build_options, check_state
 
-RAGGED_POLICIES = ("raise", "drop", "pad")
 _END = object()
-
-
-class RaggedBatchError(ValueError):
-    """The last batch is partial and ``ragged="raise"``."""
-
-
-def _validate_sharding(sharding: Any, batch_size: int, process_count: int) -> tuple[Any, int]:
-    """Checks the batch splits evenly; returns (first-dim sharding, shards on the first dim)."""
-    from jax.sharding import NamedSharding, PartitionSpec
-
-    if not isinstance(sharding, NamedSharding):
-        raise TypeError(f"sharding must be a jax.sharding.NamedSharding, got {type(sharding).__name__}")
-    first = sharding.spec[0] if len(sharding.spec) else None
-    if first is None:
-        raise ValueError(f"sharding {sharding.spec} does not split the batch (first) dimension over any mesh axis")
-    axes = (first,) if isinstance(first, str) else tuple(first)
-    shards = int(np.prod([sharding.mesh.shape[a] for a in axes]))
-    global_batch = batch_size * process_count
-    if global_batch % shards:
-        raise ValueError(
-            f"global batch {global_batch} (batch_size {batch_size} x {process_count} process(es)) is not "
-            f"divisible by {shards}, the devices on mesh axes {axes} that split the batch dimension"
-        )
-    batch_sharding = NamedSharding(sharding.mesh, PartitionSpec(first))
-    local = {(idx[0].start, idx[0].stop)
-             for idx in batch_sharding.addressable_devices_indices_map((global_batch,)).values()}
-    local_rows = len(local) * (global_batch // shards)
-    if local_rows != batch_size:
-        raise ValueError(
-            f"batch_size {batch_size} per host does not match this host's {len(local)} shard(s) of "
-            f"{global_batch // shards} rows ({local_rows} rows) under mesh axes {axes}"
-        )
-    return batch_sharding, shards
-
-
-def _cast(batch: Batch, dtypes: Any) -> Batch:
-    if dtypes is None:
-        return batch
-    if isinstance(dtypes, Mapping):
-        unknown = set(dtypes) - set(batch)
-        if unknown:
-            raise KeyError(f"dtypes for unknown columns {sorted(unknown)}; columns: {sorted(batch)}")
-        return {k: (v.astype(dtypes[k], copy=False) if k in dtypes else v) for k, v in batch.items()}
-    # One dtype: applied to floating-point columns (ids and labels keep theirs).
-    return {k: (v.astype(dtypes, copy=False) if np.issubdtype(v.dtype, np.floating) else v)
-            for k, v in batch.items()}
-
-
-def _template_from(schema: dict[str, list]) -> Batch:
-    import jax.numpy as jnp  # knows bfloat16 and friends by name
-
-    return {k: np.zeros((0, *shape), dtype=jnp.dtype(dtype)) for k, (dtype, shape) in schema.items()}
-
-
-def _pad(batch: Batch, batch_size: int, pad_value: Any, template: Batch | None) -> tuple[Batch, np.ndarray]:
-    src = batch if batch is not None else template
-    n = 0 if batch is None else len(next(iter(batch.values())))
-    out = {}
-    for k, v in src.items():
-        full = np.full((batch_size, *v.shape[1:]), pad_value, dtype=v.dtype)
-        if n:
-            full[:n] = v
-        out[k] = full
-    mask = np.zeros(batch_size, dtype=bool)
-    mask[:n] = True
-    return out, mask
 
 
 class _Feeder:
@@ -118,46 +60,30 @@ class _Feeder:
     dropping the iterator (``break`` out of a loop) stops the thread.
     """
 
-    def __init__(self, source: Any, *, batch_size: int, sharding: Any, ragged: str, pad_value: Any,
-                 prefetch: int, dtypes: Any, columns: Sequence[str] | None, state: Mapping[str, Any] | None,
-                 agree: bool | None, agreement_timeout_s: float, mask_key: str, agree_window: int,
-                 host_columns: Sequence[str] = ()) -> None:
+    def __init__(self, source: Any, options: FeederOptions, state: Mapping[str, Any] | None) -> None:
         import jax
-        from jax.sharding import NamedSharding, PartitionSpec
 
-        if batch_size < 1:
-            raise ValueError(f"batch_size={batch_size} must be >= 1")
-        if ragged not in RAGGED_POLICIES:
-            raise ValueError(f"ragged={ragged!r} is not a policy; valid: {', '.join(RAGGED_POLICIES)}")
-        if prefetch < 1:
-            raise ValueError(f"prefetch={prefetch} must be >= 1")
-        self.batch_size = batch_size
-        self.ragged = ragged
-        self.pad_value = pad_value
-        self.dtypes = dtypes
-        self.mask_key = mask_key
-        self.host_columns = frozenset(host_columns)
+        check_source(source)
+        st = check_state(state)
+        o = self.options = options
+        if st["rows"] and o.local_shuffle_buffer_size is not None and o.local_shuffle_seed is None:
+            raise fail("state", state, "None for a stream shuffled without local_shuffle_seed "
+                                       "(pass a seed to resume a shuffled stream exactly)")
+        self.host_columns = frozenset(o.host_columns)
         self.process_count = jax.process_count()
-        if sharding is None:
-            # jax.make_mesh, as JAX recommends, so the default matches a mesh
-            # the training code builds the same way (same axis types).
-            sharding = NamedSharding(jax.make_mesh((jax.device_count(),), ("data",)), PartitionSpec("data"))
-        self.sharding, _ = _validate_sharding(sharding, batch_size, self.process_count)
-        self.global_batch = batch_size * self.process_count
-        st = dict(state or {})
-        self._batches = int(st.get("batches", 0))
-        self._rows = int(st.get("rows", 0))
-        self._finished = bool(st.get("finished", False))
-        agree = self.process_count > 1 if agree is None else agree
-        if agree_window < 1:
-            raise ValueError(f"agree_window={agree_window} must be >= 1")
-        self.agree_window = agree_window
-        self._agreement = RowAgreement(next_stream_id(), agreement_timeout_s) if agree else None
+        self.sharding, self.shards = batch_sharding(o.sharding or default_sharding(), o.batch_size,
+                                                    self.process_count)
+        self._batches, self._rows, self._finished = st["batches"], st["rows"], st["finished"]
+        agree = self.process_count > 1 if o.agree is None else o.agree
+        self._agreement = RowAgreement(next_stream_id(), o.agreement_timeout_s) if agree else None
         self._process = jax.process_index() if self._agreement else 0
         self._template: Batch | None = None
+        self._fills: dict[str, Any] = {}
+        self._full_mask: Any = None
         self._source_done = False
-        self._source = host_batches(source, batch_size, columns=columns, skip_rows=self._rows)
-        self._queue: queue.Queue = queue.Queue(maxsize=prefetch)
+        self._source = host_batches(source, o.batch_size, columns=o.columns, skip_rows=self._rows,
+                                    shuffle_buffer=o.local_shuffle_buffer_size, shuffle_seed=o.local_shuffle_seed)
+        self._queue: queue.Queue = queue.Queue(maxsize=o.prefetch)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._produce, name="rayslice-feeder", daemon=True)
         if not self._finished:
@@ -173,88 +99,129 @@ class _Feeder:
                 continue
         return False
 
-    def _to_global(self, batch: Batch) -> dict[str, Any]:
+    def _to_global(self, batch: Batch, rows: int) -> dict[str, Any]:
         import jax
 
         host = {k: v for k, v in batch.items() if k in self.host_columns}
+        dev = {k: v for k, v in batch.items() if k not in self.host_columns}
         if self.process_count == 1:
             # Same result, and measurably faster than the multi-process path.
-            return {**{k: jax.device_put(v, self.sharding) for k, v in batch.items() if k not in host}, **host}
-        shape0 = (self.global_batch,)
+            return {**{k: jax.device_put(v, self.sharding) for k, v in dev.items()}, **host}
+        shape0 = (rows * self.process_count,)
         return {**{k: jax.make_array_from_process_local_data(self.sharding, v, shape0 + v.shape[1:])
-                   for k, v in batch.items() if k not in host}, **host}
+                   for k, v in dev.items()}, **host}
+
+    def _learn(self, template: Batch) -> None:
+        """Takes the layout of the first batch (this host's, or another's) and checks it once."""
+        o = self.options
+        cols.check_device_columns(template, o.host_columns)
+        if o.ragged is Ragged.PAD and o.mask_key is not None:
+            if cols.ARRAY_KEY in template:
+                raise TypeError("collate_fn returned one array, but ragged='pad' adds a mask to every batch; "
+                                "return a dict from collate_fn, or pass mask_key=None")
+            if o.mask_key in template:
+                raise ValueError(f"column {o.mask_key!r} clashes with the pad mask; pass mask_key=")
+        if o.ragged is Ragged.PAD:
+            self._fills = {k: cols.pad_fill(o.pad_value, k, v.dtype, k in self.host_columns)
+                           for k, v in template.items()}
+        self._template = {k: v[:0] for k, v in template.items()}
+
+    def _prepare(self, local: Batch) -> Batch:
+        o = self.options
+        if o.collate_fn is not None:
+            local = cols.collate(o.collate_fn, local)
+        local = cols.cast(local, o.dtypes, o.host_columns)
+        if self._template is None:
+            self._learn(local)
+        else:
+            cols.check_same_layout(self._template, local)
+        return local
 
     def _read_ahead(self, pending: collections.deque, want: int) -> None:
-        """Fills ``pending`` with up to ``want`` cast host batches."""
+        """Fills ``pending`` with up to ``want`` prepared host batches."""
         while len(pending) < want and not self._source_done:
             local = next(self._source, None)
             if local is None:
                 self._source_done = True
                 return
-            local = _cast(local, self.dtypes)
-            if self.mask_key in local and self.ragged == "pad":
-                raise ValueError(f"column {self.mask_key!r} clashes with the pad mask; pass mask_key=")
-            if self._template is None:
-                self._template = {k: v[:0] for k, v in local.items()}
-                if self._agreement:
-                    self._agreement.post_schema(
-                        {k: [v.dtype.name, list(v.shape[1:])] for k, v in self._template.items()})
-            pending.append(local)
+            pending.append(self._prepare(local))
+
+    def _read_or_abort(self, pending: collections.deque, want: int, step: int | None) -> None:
+        try:
+            self._read_ahead(pending, want)
+        except Exception as e:  # the other hosts wait for this one: tell them, then raise here
+            if self._agreement:
+                self._agreement.abort(step, f"{type(e).__name__}: {e}")
+            raise
+
+    def _handshake(self) -> None:
+        o = self.options
+        schema = cols.schema_of(self._template) if self._template is not None else None
+        meta = {"batch_size": o.batch_size, "ragged": o.ragged.value, "mask_key": o.mask_key,
+                "agree_window": o.agree_window, "host_columns": sorted(o.host_columns), "schema": schema}
+        metas = self._agreement.handshake(meta)  # type: ignore[union-attr]
+        cols.compare_hosts(metas)
+        if self._template is None:  # this host's shard is empty: learn the layout from a host with rows
+            donor = next((m["schema"] for m in metas if m["schema"] is not None), None)
+            if donor is not None:
+                self._learn(cols.template_from(donor))
+
+    def _step_out(self, action: Step, local: Batch | None, n: int) -> dict[str, Any]:
+        o = self.options
+        if action is Step.KEEP:
+            return self._to_global(local, n)  # type: ignore[arg-type]
+        if action is Step.FULL:
+            out = self._to_global(local, o.batch_size)  # type: ignore[arg-type]
+            if o.ragged is Ragged.PAD and o.mask_key is not None:
+                if self._full_mask is None:  # one transfer, shared by every full batch
+                    self._full_mask = self._to_global({"m": np.ones(o.batch_size, dtype=bool)}, o.batch_size)["m"]
+                out[o.mask_key] = self._full_mask
+            return out
+        # pad: every host pads (a host with no rows sends an all-padding batch)
+        if self._template is None:
+            raise ValueError("this host's shard is empty and hosts do not agree (agree=False / "
+                             "synchronize_batches=False), so it has no column layout to pad with; leave agree on")
+        padded, mask = cols.pad(local, o.batch_size, self._fills, self._template)  # type: ignore[arg-type]
+        out = self._to_global(padded, o.batch_size)
+        if o.mask_key is not None:
+            # Every batch has the same structure under "pad", so a jitted step never recompiles for the last one.
+            out[o.mask_key] = self._to_global({"m": mask}, o.batch_size)["m"]
+        return out
 
     def _produce(self) -> None:
-        full_mask = None
+        o = self.options
         step = self._batches
         pending: collections.deque = collections.deque()
         agreed: dict[int, list[int]] = {}
+        window = o.agree_window if self._agreement else 1
         try:
+            self._read_or_abort(pending, window, None)
+            if self._agreement:
+                self._handshake()
             while not self._stop.is_set():
                 if step not in agreed:
                     # One exchange covers a window of steps: each host reads
                     # that many batches ahead and posts all their sizes at once.
-                    window = self.agree_window if self._agreement else 1
-                    self._read_ahead(pending, window)
-                    mine = [len(next(iter(b.values()))) for b in list(pending)[:window]]
+                    self._read_or_abort(pending, window, step)
+                    mine = [cols.rows_of(b) for b in list(pending)[:window]]
                     per_step = self._agreement.exchange(step, mine, window) if self._agreement else [mine or [0]]
                     agreed.update({step + j: c for j, c in enumerate(per_step)})
                 counts = agreed.pop(step)
+                action = decide(counts, o.batch_size, o.ragged, self.shards,
+                                hosts=len(counts) if self._agreement else self.process_count)
                 n = counts[self._process]
                 local = pending.popleft() if n else None
-                template = self._template
-                if max(counts) == 0:
+                if action is Step.END:
                     self._put((_END, None))
                     return
-                if min(counts) == self.batch_size:
-                    out = self._to_global(local)
-                    if self.ragged == "pad":
-                        # Every batch has the same structure under "pad", so a
-                        # jitted step never recompiles for the last one.
-                        if full_mask is None:
-                            full_mask = self._to_global({"m": np.ones(self.batch_size, dtype=bool)})["m"]
-                        out[self.mask_key] = full_mask
-                    self._put((out, n))
-                elif self.ragged == "raise":
-                    left = ", ".join(f"host {p}: {c}" for p, c in enumerate(counts)) if len(counts) > 1 else str(n)
-                    raise RaggedBatchError(
-                        f"the last batch is partial: {left} row(s) left for batch_size {self.batch_size}; "
-                        "pass ragged='drop' or ragged='pad'"
-                    )
-                elif self.ragged == "drop":
-                    self._put((_END, None))
-                    return
-                else:  # pad: every host pads (a host with no rows sends an all-padding batch)
-                    if template is None:  # this host's shard is empty: learn the layout from a host with rows
-                        donor = next(p for p, c in enumerate(counts) if c)
-                        template = self._template = _template_from(self._agreement.schema_of(donor))
-                    padded, mask = _pad(local, self.batch_size, self.pad_value, template)
-                    out = self._to_global(padded)
-                    out[self.mask_key] = self._to_global({"m": mask})["m"]
-                    self._put((out, n))
+                out = self._step_out(action, local, n)
+                self._put((out[cols.ARRAY_KEY] if cols.ARRAY_KEY in out and len(out) == 1 else out, n))
                 step += 1
         except BaseException as e:  # handed to the consumer, raised in order
             self._put((e, None))
 
     # -- consumer -----------------------------------------------------
-    def __next__(self) -> dict[str, Any]:
+    def __next__(self) -> Any:
         if self._finished:
             raise StopIteration
         item, n = self._queue.get()
@@ -282,22 +249,36 @@ class _Feeder:
             self._thread.join(timeout=10)
 
 
-class JaxBatchIterator(Iterator[dict[str, Any]]):
+class JaxBatchIterator(Iterator[Any]):
     """The iterator :func:`iter_jax_batches` returns.
 
     ``state()`` is a small JSON-able dict; passing it back as ``state=``
     continues with exactly the next batch. Use as a context manager, or call
     ``close()``, to stop the prefetch thread early; dropping the iterator
     stops it too.
+
+    Args:
+        source: See :func:`iter_jax_batches`.
+        options: The options, whole; or leave it out and pass
+            :func:`iter_jax_batches`'s keywords.
+        state: A previous iterator's ``state()`` to resume after.
     """
 
-    def __init__(self, source: Any, **kwargs: Any) -> None:
-        self._feeder = _Feeder(source, **kwargs)
+    def __init__(self, source: Any, options: FeederOptions | None = None, *, state: Mapping[str, Any] | None = None,
+                 **kwargs: Any) -> None:
+        if options is None:
+            options = build_options(**kwargs)
+        elif kwargs:
+            raise fail(sorted(kwargs)[0], kwargs[sorted(kwargs)[0]], "left out when options= is given (set it there)")
+        elif not isinstance(options, FeederOptions):
+            raise fail("options", options, "a FeederOptions", got_type=True)
+        self.options = options
+        self._feeder = _Feeder(source, options, state)
 
     def __iter__(self) -> JaxBatchIterator:
         return self
 
-    def __next__(self) -> dict[str, Any]:
+    def __next__(self) -> Any:
         return self._feeder.__next__()
 
     def state(self) -> dict[str, Any]:
@@ -307,6 +288,11 @@ class JaxBatchIterator(Iterator[dict[str, Any]]):
     def close(self) -> None:
         """Stops the prefetch thread (idempotent); ``next()`` then raises StopIteration."""
         self._feeder.close()
+
+    @property
+    def sharding(self) -> Any:
+        """The ``NamedSharding`` of the batch arrays."""
+        return self._feeder.sharding
 
     @property
     def _queue(self) -> queue.Queue:  # for tests: batches already on device
@@ -330,60 +316,73 @@ class JaxBatchIterator(Iterator[dict[str, Any]]):
 
 def iter_jax_batches(
     source: Any,
+    batch_size: int | None = None,
     *,
-    batch_size: int,
+    options: FeederOptions | None = None,
+    state: Mapping[str, Any] | None = None,
     sharding: Any = None,
-    ragged: str = "raise",
-    pad_value: Any = 0,
-    prefetch: int = 2,
+    ragged: Ragged | str | None = None,
+    pad_value: Any = None,
+    prefetch: int | None = None,
     dtypes: Any = None,
     columns: Sequence[str] | None = None,
-    state: Mapping[str, Any] | None = None,
+    host_columns: Sequence[str] | None = None,
+    mask_key: str | None = None,
     agree: bool | None = None,
-    agreement_timeout_s: float = 600.0,
-    mask_key: str = "mask",
-    agree_window: int = 8,
-    host_columns: Sequence[str] = (),
+    agreement_timeout_s: float | None = None,
+    agree_window: int | None = None,
+    drop_last: bool | None = None,
+    paddings: Any = None,
+    prefetch_batches: int | None = None,
+    collate_fn: Callable[[Any], Any] | None = None,
+    synchronize_batches: bool | None = None,
+    local_shuffle_buffer_size: int | None = None,
+    local_shuffle_seed: int | None = None,
 ) -> JaxBatchIterator:
     """Global, device-sharded ``jax.Array`` batches from Ray Data (or any batch iterable).
 
+    Every keyword left as None takes its :class:`FeederOptions` default; the
+    keywords are checked once, into one ``FeederOptions`` (or pass
+    ``options=`` whole). Ray's ``Dataset.iter_jax_batches`` names work as they
+    do there; see :func:`~rayslice.data.options.build_options` for how they map.
+
     Args:
-        source: A ``ray.data.Dataset``, a ``ray.data.DataIterator`` (e.g. one
-            shard of ``streaming_split``), or an iterable of
-            ``dict[str, np.ndarray]`` / ``pyarrow.Table`` batches. For a
-            ``Dataset`` this turns on ``preserve_order`` in its DataContext: a
-            resumed iterator must see rows in the same order. (A
-            ``streaming_split`` shard's order is its coordinator's: resuming
-            one is not exact; the trainer's shards are plain Datasets.)
-        batch_size: Rows per host per step; arrays have ``batch_size x
-            jax.process_count()`` rows.
-        sharding: A ``NamedSharding`` whose first dimension is split over one
-            or more mesh axes (e.g. ``P(("data", "fsdp"))``); default: 1-D over
-            all devices (``jax.make_mesh((jax.device_count(),), ("data",))``).
-            Only the batch dimension is split. Pass your model's mesh here:
-            JAX refuses to mix arrays from meshes with different axis types.
-        ragged: ``"raise"``, ``"drop"`` or ``"pad"`` for the last partial batch.
-        pad_value: Fill value for ``"pad"``.
-        prefetch: Batches kept on device ahead of the consumer.
-        dtypes: One dtype for all floating columns, or ``{column: dtype}``;
-            cast on the host before transfer.
-        columns: Columns to keep.
+        source: A ``ray.data.Dataset``, a ``ray.data.DataIterator`` (e.g.
+            ``ray.train.get_dataset_shard`` or one ``streaming_split`` shard),
+            or an iterable of ``dict[str, np.ndarray]`` / ``pyarrow.Table``
+            batches. For a ``Dataset`` this turns on ``preserve_order`` in its
+            DataContext: a resumed iterator must see rows in the same order.
+        batch_size: Rows per host per step (default 256, as Ray's).
+        options: All options at once (then no other option keyword).
         state: A previous iterator's ``state()`` to resume after.
+        sharding: ``NamedSharding`` splitting the batch dimension; default: the
+            ``jax.set_mesh`` mesh, else 1-D Auto axes (mixes with ``Mesh(devices, ("data",))``).
+        ragged: ``"raise"`` (default), ``"drop"``, ``"pad"`` or ``"keep"``.
+        pad_value: Fill under ``"pad"`` (a scalar or ``{column: scalar}``).
+        prefetch: Batches kept on device ahead of the consumer (default 2).
+        dtypes: One dtype for every device column (as Ray), or ``{column: dtype}``.
+        columns: Columns to keep (a list).
+        host_columns: Columns kept as numpy on this host, never sent to devices.
+        mask_key: Name of the real-row mask under ``"pad"`` (default "mask").
         agree: Agree on batch counts across hosts (default: when multi-process).
-        agreement_timeout_s: Longest wait for the slowest host at one step.
-        mask_key: Name of the mask array under ``"pad"``.
-        agree_window: Steps covered by one agreement exchange (each host
-            reads that many host batches ahead, in host memory).
-        host_columns: Columns kept as numpy arrays of this host's
-            ``batch_size`` rows (padded like the rest under ``"pad"``), never
-            sent to devices: ids, strings, anything to carry next to a step.
+        agreement_timeout_s: Longest wait for the slowest host (default 600).
+        agree_window: Steps covered by one agreement exchange (default 8).
+        drop_last: Ray's name: ``True`` is ``ragged="drop"``.
+        paddings: Ray's name: pad the last batch with this (no mask, as in Ray).
+        prefetch_batches: Ray's name for ``prefetch``.
+        collate_fn: Ray's collate function (or any ``dict -> dict | ndarray``);
+            a single array output yields ``jax.Array`` batches.
+        synchronize_batches: Ray's name for ``agree``.
+        local_shuffle_buffer_size: Rows in a local shuffle buffer.
+        local_shuffle_seed: Seed for the local shuffle.
 
     Returns:
-        A :class:`JaxBatchIterator` of ``dict[str, jax.Array]``.
+        A :class:`JaxBatchIterator` of ``dict[str, jax.Array]`` (host columns as numpy).
 
     Raises:
-        ValueError: A sharding mismatch (before the first batch), or
-            :class:`RaggedBatchError` under ``ragged="raise"``.
+        InvalidArgument: A bad option, before anything is read.
+        ValueError: A sharding mismatch (before the first batch), hosts that
+            differ in settings or columns, or :class:`RaggedBatchError`.
 
     Example:
         >>> import numpy as np
@@ -392,7 +391,13 @@ def iter_jax_batches(
         >>> b["x"].shape, str(b["x"].dtype)
         ((8, 3), 'float32')
     """
-    return JaxBatchIterator(source, batch_size=batch_size, sharding=sharding, ragged=ragged,
-                            pad_value=pad_value, prefetch=prefetch, dtypes=dtypes, columns=columns,
-                            state=state, agree=agree, agreement_timeout_s=agreement_timeout_s,
-                            mask_key=mask_key, agree_window=agree_window, host_columns=host_columns)
+    given = dict(batch_size=batch_size, sharding=sharding, ragged=ragged, pad_value=pad_value, prefetch=prefetch,
+                 dtypes=dtypes, columns=columns, host_columns=host_columns, mask_key=mask_key, agree=agree,
+                 agreement_timeout_s=agreement_timeout_s, agree_window=agree_window, drop_last=drop_last,
+                 paddings=paddings, prefetch_batches=prefetch_batches, collate_fn=collate_fn,
+                 synchronize_batches=synchronize_batches, local_shuffle_buffer_size=local_shuffle_buffer_size,
+                 local_shuffle_seed=local_shuffle_seed)
+    if options is not None:
+        extra = {k: v for k, v in given.items() if v is not None}
+        return JaxBatchIterator(source, options, state=state, **extra)
+    return JaxBatchIterator(source, build_options(**given), state=state)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import json
 import threading
+from typing import Any
 
 _SEQ = itertools.count()
 _SEQ_LOCK = threading.Lock()
@@ -48,17 +49,34 @@ class RowAgreement:
         self.timeout_ms = max(1, int(timeout_s * 1000))
         self._last_step: int | None = None
 
-    def post_schema(self, schema: dict[str, list]) -> None:
-        """Publishes this host's column layout once (before its first count),
-        so that a host whose shard is empty can still build padding batches."""
-        if self.client is not None:
-            self.client.key_value_set(f"{self.prefix}/schema/{self.process}", json.dumps(schema))
-
-    def schema_of(self, process: int) -> dict[str, list]:
-        """The column layout another host published."""
+    def handshake(self, meta: dict[str, Any]) -> list[dict[str, Any]]:
+        """Posts this host's settings and column layout once, before its first
+        count, and returns every host's (in process order): hosts compare them
+        before the first step, and a host whose shard is empty learns the
+        layout for its padding batches."""
         if self.client is None:
-            raise RuntimeError("no other host in a single-process run")
-        return json.loads(self.client.blocking_key_value_get(f"{self.prefix}/schema/{process}", self.timeout_ms))
+            return [meta]
+        self.client.key_value_set(f"{self.prefix}/meta/{self.process}", json.dumps(meta))
+        return [meta if p == self.process else json.loads(self._get(f"{self.prefix}/meta/{p}", p, "its settings"))
+                for p in range(self.count)]
+
+    def abort(self, step: int | None, message: str) -> None:
+        """Tells the other hosts this one failed, where they wait for it next
+        (its settings when ``step`` is None, else its counts for ``step``), so
+        they raise at once instead of waiting out the timeout."""
+        if self.client is not None:
+            key = f"{self.prefix}/meta/{self.process}" if step is None else f"{self.prefix}/{step}/{self.process}"
+            try:
+                self.client.key_value_set(key, json.dumps({"error": message}))
+            except Exception:  # already posted: the others will time out and name this host
+                pass
+
+    def _get(self, key: str, p: int, what: str) -> str:
+        try:
+            return self.client.blocking_key_value_get(key, self.timeout_ms)  # type: ignore[union-attr]
+        except Exception as e:  # the runtime raises its own XlaRuntimeError
+            raise TimeoutError(f"host {p} did not report {what} within {self.timeout_ms / 1000:g} s "
+                               f"(agreement_timeout_s): {e}") from e
 
     def exchange(self, step: int, mine: list[int], window: int) -> list[list[int]]:
         """Agrees on row counts for steps ``step .. step+window-1``.
@@ -75,13 +93,10 @@ class RowAgreement:
             if p == self.process:
                 lists.append(mine)
                 continue
-            try:
-                lists.append(json.loads(self.client.blocking_key_value_get(f"{self.prefix}/{step}/{p}",
-                                                                            self.timeout_ms)))
-            except Exception as e:  # the runtime raises its own XlaRuntimeError
-                raise TimeoutError(
-                    f"host {p} did not report its batches for step {step} within {self.timeout_ms / 1000:g} s: {e}"
-                ) from e
+            got = json.loads(self._get(f"{self.prefix}/{step}/{p}", p, f"its batches for step {step}"))
+            if isinstance(got, dict):
+                raise RuntimeError(f"host {p} stopped feeding at step {step}: {got.get('error')}")
+            lists.append(got)
         if self._last_step is not None:
             # Every host has posted this window, so all have read the previous one.
             try:

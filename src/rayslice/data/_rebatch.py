@@ -4,7 +4,13 @@ Sources: a ``ray.data.Dataset``, a ``ray.data.DataIterator`` (e.g. one shard
 of ``streaming_split``), or any iterable of ``dict[str, np.ndarray]`` or
 ``pyarrow.Table`` batches of any size. Every batch but the last has exactly
 ``batch_size`` rows; the last may be partial. ``skip_rows`` drops that many
-rows from the start (resuming from an iterator state).
+rows from the start (resuming from an iterator state); with a local shuffle
+the rows are skipped after shuffling, so a seeded stream resumes exactly.
+
+Example:
+    >>> import numpy as np
+    >>> [len(b["x"]) for b in host_batches([{"x": np.arange(5)}, {"x": np.arange(6)}], 4)]
+    [4, 4, 3]
 """
 
 from __future__ import annotations
@@ -54,7 +60,9 @@ def to_numpy_batch(batch: Any, columns: Sequence[str] | None) -> Batch:
     if columns is not None:
         missing = [c for c in columns if c not in out]
         if missing:
-            raise KeyError(f"columns {missing} not in batch; it has {sorted(out)}")
+            from rayslice._validate import fail
+
+            raise fail("columns", list(columns), f"columns of the data {sorted(out)}; missing: {missing}")
         out = {c: out[c] for c in columns}
     if not out:
         raise ValueError("a batch has no columns")
@@ -71,7 +79,29 @@ def _rows(batch: Batch) -> int:
 def _concat(parts: list[Batch]) -> Batch:
     if len(parts) == 1:
         return parts[0]
+    first = set(parts[0])
+    for p in parts[1:]:
+        if set(p) != first:
+            raise ValueError(f"source batches have different columns: {sorted(first)} and {sorted(p)}; "
+                             "every batch must have the same columns (select them with columns=[...])")
     return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+
+
+def _shuffled(batches: Iterable[Batch], buffer_size: int, seed: int | None, out_rows: int) -> Iterator[Batch]:
+    """Rows in a local random order: once ``buffer_size + out_rows`` rows are
+    buffered, ``out_rows`` random ones leave; the rest drain shuffled at the end."""
+    rng = np.random.default_rng(seed)
+    buf: Batch | None = None
+    for b in batches:
+        buf = b if buf is None else _concat([buf, b])
+        while _rows(buf) >= buffer_size + out_rows:
+            take = np.zeros(_rows(buf), dtype=bool)
+            take[rng.choice(_rows(buf), out_rows, replace=False)] = True
+            yield {k: v[take] for k, v in buf.items()}
+            buf = {k: v[~take] for k, v in buf.items()}
+    if buf is not None and _rows(buf):
+        order = rng.permutation(_rows(buf))
+        yield {k: v[order] for k, v in buf.items()}
 
 
 def _rebatch(batches: Iterable[Batch], batch_size: int, skip_rows: int) -> Iterator[Batch]:
@@ -100,6 +130,18 @@ def _rebatch(batches: Iterable[Batch], batch_size: int, skip_rows: int) -> Itera
         yield _concat(buf)
 
 
+def check_source(source: Any) -> None:
+    """Refuses what is not a source of batches, before any thread starts."""
+    if _is_ray_source(source):
+        return
+    if isinstance(source, Mapping) or type(source).__module__.startswith("pyarrow"):
+        raise TypeError("source must be an iterable of batches, a ray.data.Dataset or a DataIterator; "
+                        "got a single batch (wrap it in a list)")
+    if isinstance(source, np.ndarray | str | bytes) or not hasattr(source, "__iter__"):
+        raise TypeError(f"source must be a ray.data.Dataset, a DataIterator or an iterable of dict[str, np.ndarray] "
+                        f"/ pyarrow.Table batches; got {type(source).__name__} (e.g. pass [{{'x': array}}])")
+
+
 def host_batches(
     source: Any,
     batch_size: int,
@@ -108,6 +150,8 @@ def host_batches(
     skip_rows: int = 0,
     fetch_batches: int = 16,
     ray_prefetch_batches: int = 2,
+    shuffle_buffer: int | None = None,
+    shuffle_seed: int | None = None,
 ) -> Iterator[Batch]:
     """Exact-size host batches from ``source`` (see module docstring).
 
@@ -128,7 +172,8 @@ def host_batches(
             ds.context.execution_options.preserve_order = True
         fetch = batch_size * max(1, fetch_batches)
         raw = iter(ds.iter_batches(batch_size=fetch, batch_format="numpy", drop_last=False,
-                                   prefetch_batches=ray_prefetch_batches))
+                                   prefetch_batches=ray_prefetch_batches, local_shuffle_buffer_size=shuffle_buffer,
+                                   local_shuffle_seed=shuffle_seed))
         # Resuming: skip whole fetches without converting them, then rows.
         whole, rest = divmod(skip_rows, fetch)
         for _ in range(whole):
@@ -136,7 +181,7 @@ def host_batches(
                 return
         yield from _rebatch((to_numpy_batch(b, columns) for b in raw), batch_size, rest)
         return
-    if isinstance(source, Mapping) or type(source).__module__.startswith("pyarrow"):
-        raise TypeError("source must be an iterable of batches, a ray.data.Dataset or a DataIterator; "
-                        "got a single batch (wrap it in a list)")
-    yield from _rebatch((to_numpy_batch(b, columns) for b in source), batch_size, skip_rows)
+    batches: Iterable[Batch] = (to_numpy_batch(b, columns) for b in source)
+    if shuffle_buffer is not None:
+        batches = _shuffled(batches, shuffle_buffer, shuffle_seed, batch_size)
+    yield from _rebatch(batches, batch_size, skip_rows)
