@@ -15,7 +15,8 @@ def regression_loop(config: dict) -> None:
     import jax.numpy as jnp
     import numpy as np
     import optax
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     from rayslice.data import iter_jax_batches
     from rayslice.train import get_checkpoint, get_context, report
@@ -91,9 +92,10 @@ def crash_mid_save_loop(config: dict) -> None:
     """Attempt 1: a complete checkpoint at step 1, then both hosts die while step 2's save runs."""
     import jax
     import jax.numpy as jnp
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
-    from rayslice.train import get_checkpoint, get_context, report
+    from rayslice.train import get_checkpoint, report
 
     mesh = jax.make_mesh((jax.device_count(),), ("data",))
     big = jax.device_put(jnp.ones((jax.device_count() * 1024, 4096), jnp.float32), NamedSharding(mesh, P("data")))
@@ -167,3 +169,69 @@ def busy_loop(config: dict) -> None:
         report({"v": v})
         if os.path.exists(config["stop_file"]):
             break
+
+
+def ray_style_loop(config: dict) -> dict:
+    """Written the way Ray Train's guides write a loop: files in a temporary directory, Ray's getters."""
+    import json
+    import tempfile
+
+    from rayslice.train import Checkpoint, get_checkpoint, get_context, report
+
+    ctx = get_context()
+    start = 0
+    checkpoint = get_checkpoint()
+    if checkpoint:
+        with checkpoint.as_directory() as d, open(os.path.join(d, "state.json")) as f:
+            start = json.load(f)["epoch"]
+    for epoch in range(start, start + config["epochs"]):
+        metrics = {"epoch": epoch + 1, "losses": [1.0 / (epoch + 1), 0.5], "resumed_from": start,
+                   "ranks": [ctx.get_world_rank(), ctx.get_world_size(), ctx.get_local_rank(),
+                             ctx.get_local_world_size(), ctx.get_node_rank()],
+                   "names": [ctx.get_experiment_name(), ctx.get_trial_name()]}
+        with tempfile.TemporaryDirectory() as tmp:
+            if ctx.get_world_rank() == 0:  # Ray's pattern: rank 0 writes, the others report None
+                with open(os.path.join(tmp, "state.json"), "w") as f:
+                    json.dump({"epoch": epoch + 1}, f)
+                report(metrics, checkpoint=Checkpoint.from_directory(tmp))
+            else:
+                report(metrics, checkpoint=None)
+    return {"final_epoch": start + config["epochs"]}
+
+
+def host_local_leaves_loop(config: dict) -> None:
+    """Saves leaves Orbax refuses on multi-host runs as they are (made global), restores them, and a bad leaf."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from rayslice.errors import InvalidArgument
+    from rayslice.train import Checkpoint, get_context, report
+    from rayslice.train.checkpoint import checkpoints_dir, step_dir
+
+    ctx = get_context()
+    tree = {"w": jnp.arange(4.0), "n": np.arange(3, dtype=np.int64), "lr": 0.5, "count": 7}
+    report({"phase": "save", "processes": jax.process_count()}, checkpoint=tree)  # synchronous (async_save=False)
+    target = {"w": jnp.zeros(4), "n": np.zeros(3, np.int64), "lr": 0.0, "count": 0}
+    back = Checkpoint(step_dir(checkpoints_dir(ctx.run_path), 1)).restore(target)
+    try:
+        report({}, checkpoint={"params": {"tag": "not an array"}})
+        error = ""
+    except InvalidArgument as e:
+        error = str(e)
+    report({"w": back["w"], "n": back["n"], "lr": back["lr"], "count": back["count"], "error": error,
+            "env": os.environ.get("RAYSLICE_TEST_ENV", "")})
+
+
+def hang_loop(config: dict) -> None:
+    """Every step is a barrier over all hosts; on attempt 1 one host hangs at ``hang_at`` (alive, no progress)."""
+    from jax.experimental import multihost_utils
+
+    from rayslice.train import get_context, report
+
+    ctx = get_context()
+    for step in range(1, config["steps"] + 1):
+        if ctx.attempt == 1 and step == config["hang_at"] and ctx.world_rank == config.get("rank", 1):
+            time.sleep(600)  # a wedged host: its process stays alive, its peers wait in the collective
+        multihost_utils.sync_global_devices(f"step-{step}")
+        report({"step_done": step, "attempt": ctx.attempt})

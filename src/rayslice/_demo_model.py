@@ -92,8 +92,7 @@ def load_params(checkpoint_path: str, lr: float = 1e-3) -> Any:
 
     mesh = jax.make_mesh((jax.device_count(),), ("data",))
     model, _, target = init_state(mesh, lr)
-    step = int(checkpoint_path.rstrip("/").rsplit("/", 1)[1])
-    state = Checkpoint(checkpoint_path, step).restore(target)
+    state = Checkpoint(checkpoint_path).restore(target)  # the step is read from the step directory
     return model, state["params"]
 
 

@@ -1,5 +1,11 @@
 """Distributed JAX training on whole slices, in Ray Train's vocabulary.
 
+Ray Train's names work as they do in ``ray.train`` / ``ray.train.v2.jax``:
+``JaxTrainer``, ``ScalingConfig(num_workers=..., use_tpu=True, topology=...,
+accelerator_type=...)``, ``RunConfig``, ``CheckpointConfig``,
+``FailureConfig``, ``Checkpoint.from_directory``, ``report``,
+``get_context``, ``get_checkpoint``, ``get_dataset_shard``, ``UserCallback``.
+
 Example:
     >>> from rayslice.train import JaxTrainer, ScalingConfig, RunConfig
     >>> ScalingConfig(topology="2x2x2", accelerator_type="TPU-V4").num_workers
@@ -7,10 +13,11 @@ Example:
 """
 
 from rayslice.train.checkpoint import Checkpoint, latest_complete_step
-from rayslice.train.config import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-from rayslice.train.controller import JaxTrainer, Result
+from rayslice.train.config import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig, UserCallback
+from rayslice.train.context import TrainContext, current_context
+from rayslice.train.controller import JaxTrainer, Result, TrainRunContext
 from rayslice.train.goodput import Goodput
-from rayslice.train.worker import TrainContext, get_checkpoint, get_context, get_dataset_shard, report
+from rayslice.train.worker import get_checkpoint, get_context, get_dataset_shard, report
 
 __all__ = [
     "Checkpoint",
@@ -22,6 +29,9 @@ __all__ = [
     "RunConfig",
     "ScalingConfig",
     "TrainContext",
+    "TrainRunContext",
+    "UserCallback",
+    "current_context",
     "get_checkpoint",
     "get_context",
     "get_dataset_shard",

@@ -1,144 +1,380 @@
-"""Configuration for :class:`~rayslice.train.JaxTrainer` (Ray Train's vocabulary).
+"""Configuration for :class:`~rayslice.train.JaxTrainer`, in Ray Train's vocabulary.
 
 Every config is a frozen dataclass validated on construction: a bad value
-raises ``ValueError`` naming it and saying what is valid.
+raises :class:`~rayslice.errors.InvalidArgument` (a ``TypeError`` and a
+``ValueError``) naming the parameter, the bad value and what is valid.
+Ray Train's field names work (``num_workers``, ``resources_per_worker``,
+``placement_strategy``, ``max_preemption_failures``,
+``checkpoint_score_attribute``, ``worker_runtime_env``); rayslice's own
+(``num_slices``, ``resources_per_host``, ``max_preemptions``) stay.
 
 Example:
-    >>> ScalingConfig(topology="2x2x2", accelerator_type="TPU-V4").topology_info.num_hosts
-    2
+    >>> sc = ScalingConfig(topology="2x2x2", accelerator_type="TPU-V4", num_workers=4)
+    >>> sc.num_slices, sc.num_workers, str(sc.request)
+    (2, 4, '2 x v4 2x2x2 (8 chips, 2 hosts x 4)')
+    >>> RunConfig().name is None  # each fit() picks a fresh run name
+    True
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from rayslice._validate import (
+    check_bool,
+    check_choice,
+    check_float,
+    check_instance,
+    check_int,
+    check_optional,
+    check_resources,
+    check_str,
+    fail,
+)
+from rayslice.request import SliceRequest
 from rayslice.topology import Topology
+from rayslice.train.checkpoint import checkpoints_dir, run_dir
+
+__all__ = ["CheckpointConfig", "FailureConfig", "RunConfig", "ScalingConfig", "UserCallback"]
+
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_SPREAD", "STRICT_PACK")
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class ScalingConfig:
     """Where to train: one worker per host of ``num_slices`` whole slices.
 
+    The request (:attr:`request`, a :class:`~rayslice.request.SliceRequest`)
+    is built once here and passed down whole to the reservation.
+
     Args:
-        topology: Slice shape, e.g. "2x2x2".
-        accelerator_type: Generation, e.g. "TPU-V4".
-        use_tpu: Must be True: rayslice trains on slices (kept for Ray Train parity).
+        topology: Slice shape, e.g. "2x2x2" (or a ``Topology`` / ``SliceRequest``).
+        accelerator_type: Generation, e.g. "TPU-V4" (not needed with a ``Topology``).
+        num_workers: Ray Train's count: hosts over all slices. Must equal
+            hosts per slice x ``num_slices``; alone, it sets ``num_slices``.
+        use_tpu: Must be True: rayslice trains on slices (Ray Train's flag).
         num_slices: Slices, all reserved together (multi-slice: one global mesh).
+            Default: ``num_workers`` / hosts per slice, else 1.
         chips_per_host: Host layout for v5e/v6e "2x4".
-        resources_per_host: Extra resources per host bundle (e.g. ``{"CPU": 1}``).
+        resources_per_host: Extra Ray resources per host bundle (e.g. ``{"CPU": 1}``).
+        resources_per_worker: Ray Train's name for the same, with an optional
+            ``"TPU"`` entry that must equal the chips per host.
+        placement_strategy: Ray's placement strategy name. Each host's bundle
+            is pinned to its physical host by label, so "PACK", "SPREAD" and
+            "STRICT_SPREAD" place alike; "STRICT_PACK" (one node) is refused
+            for multi-host slices.
         reservation_timeout_s: Longest wait for free slices, per attempt.
         init_timeout_s: Deadline for all processes to start and form the JAX mesh.
+
+    Example:
+        >>> ScalingConfig(topology="2x2x2", accelerator_type="TPU-V4", num_workers=3)
+        Traceback (most recent call last):
+        ...
+        rayslice.errors.InvalidArgument: num_workers=3 is not valid: expected a multiple of 2 (hosts per v4 2x2x2 slice)
     """
 
-    topology: str
-    accelerator_type: str
+    topology: str | Topology | SliceRequest | None = None
+    accelerator_type: str | None = None
+    num_workers: int | None = None
     use_tpu: bool = True
-    num_slices: int = 1
+    num_slices: int | None = None
     chips_per_host: int | None = None
     resources_per_host: Mapping[str, float] | None = None
+    resources_per_worker: Mapping[str, float] | None = None
+    placement_strategy: str = "PACK"
     reservation_timeout_s: float = 600.0
     init_timeout_s: float = 180.0
+    _request: SliceRequest = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if not self.use_tpu:
-            raise ValueError("use_tpu=False is not supported: rayslice trains on whole slices (use_tpu=True)")
-        if self.num_slices < 1:
-            raise ValueError(f"num_slices={self.num_slices} must be >= 1")
+        if not isinstance(self.use_tpu, bool) or not self.use_tpu:
+            raise fail("use_tpu", self.use_tpu, "True (rayslice trains on whole TPU slices)")
+        if self.topology is None:
+            raise fail("topology", None, "a slice shape such as '2x2x2' (with accelerator_type='TPU-V4'), "
+                                         "a Topology or a SliceRequest")
+        if not isinstance(self.topology, str | Topology | SliceRequest):
+            raise fail("topology", self.topology, "a shape string such as '2x2x2', a Topology or a SliceRequest",
+                       got_type=True)
+        check_optional(check_str, "accelerator_type", self.accelerator_type)
+        check_optional(check_int, "num_slices", self.num_slices, minimum=1, maximum=4096)
+        check_optional(check_int, "num_workers", self.num_workers, minimum=1)
+        check_optional(check_int, "chips_per_host", self.chips_per_host, minimum=1)
+        check_choice("placement_strategy", self.placement_strategy, PLACEMENT_STRATEGIES)
         for name in ("reservation_timeout_s", "init_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name}={getattr(self, name)} must be > 0")
-        self.topology_info  # noqa: B018 - validates topology, type and chips_per_host
+            object.__setattr__(self, name, check_float(name, getattr(self, name), minimum=0, exclusive_min=True))
+        extra = self._extra_resources()
+        if isinstance(self.topology, SliceRequest):
+            base = SliceRequest.parse(self.topology, resources_per_host=extra or None)
+            topo = base.topology
+        else:
+            if isinstance(self.topology, str) and self.accelerator_type is None:
+                raise fail("accelerator_type", None,
+                           "a TPU generation such as 'TPU-V4' or 'v6e' with a topology string")
+            topo = (self.topology if isinstance(self.topology, Topology)
+                    else Topology.parse(self.topology, str(self.accelerator_type), chips_per_host=self.chips_per_host))
+            base = None
+        if not isinstance(self.topology, str) and self.chips_per_host not in (None, topo.chips_per_host):
+            raise fail("chips_per_host", self.chips_per_host,
+                       f"{topo.chips_per_host} (fixed by the {type(self.topology).__name__} given) or None")
+        hosts = topo.num_hosts
+        slices = self.num_slices if self.num_slices is not None else (base.num_slices if base else None)
+        if self.num_workers is not None:
+            if slices is not None and self.num_workers != hosts * slices:
+                raise fail("num_workers", self.num_workers,
+                           f"{hosts * slices} = {hosts} hosts per {topo.generation} {topo.name} slice "
+                           f"x num_slices={slices} (one worker per host)")
+            if self.num_workers % hosts:
+                raise fail("num_workers", self.num_workers,
+                           f"a multiple of {hosts} (hosts per {topo.generation} {topo.name} slice)")
+            slices = self.num_workers // hosts
+        slices = 1 if slices is None else slices
+        if self.placement_strategy == "STRICT_PACK" and hosts * slices > 1:
+            raise fail("placement_strategy", "STRICT_PACK",
+                       f"'PACK', 'SPREAD' or 'STRICT_SPREAD': {hosts * slices} hosts cannot share one node")
+        request = (SliceRequest.parse(base, num_slices=slices) if base is not None
+                   else SliceRequest.parse(topo, num_slices=slices, resources_per_host=extra))
+        object.__setattr__(self, "_request", request)
+        object.__setattr__(self, "num_slices", slices)
+        object.__setattr__(self, "num_workers", hosts * slices)
+        if self.chips_per_host is None:
+            object.__setattr__(self, "chips_per_host", topo.chips_per_host)
+        self._check_tpu()
+
+    def _extra_resources(self) -> dict[str, float]:
+        per_host = check_resources("resources_per_host", self.resources_per_host, forbidden=("TPU",))
+        if self.resources_per_worker is None:
+            return per_host
+        if self.resources_per_host is not None:
+            raise fail("resources_per_worker", self.resources_per_worker,
+                       "None when resources_per_host is given (they are two names for the same thing)")
+        per_worker = check_resources("resources_per_worker", self.resources_per_worker)
+        return {k: v for k, v in per_worker.items() if k != "TPU"}
+
+    @property
+    def request(self) -> SliceRequest:
+        """The slice request, built once from these arguments."""
+        return self._request
 
     @property
     def topology_info(self) -> Topology:
-        return Topology.parse(self.accelerator_type, self.topology, chips_per_host=self.chips_per_host)
+        """The parsed topology of one slice."""
+        return self._request.topology
 
     @property
-    def num_workers(self) -> int:
-        """One worker per host of every slice."""
-        return self.topology_info.num_hosts * self.num_slices
+    def hosts_per_slice(self) -> int:
+        return self._request.hosts_per_slice
+
+    def _check_tpu(self) -> None:
+        """Checks a ``"TPU"`` entry of ``resources_per_worker`` against the chips per host."""
+        tpu = (self.resources_per_worker or {}).get("TPU")
+        if tpu is not None and float(tpu) != float(self.topology_info.chips_per_host):
+            raise fail("resources_per_worker['TPU']", tpu,
+                       f"{self.topology_info.chips_per_host} (the chips of one {self.topology_info.generation} "
+                       f"{self.topology_info.name} host) or no 'TPU' entry")
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class CheckpointConfig:
-    """Checkpoint retention.
+    """Which checkpoints to keep, and how to save them.
 
     Args:
-        num_to_keep: Newest complete checkpoints kept on storage (None: all).
-        async_save: Save in the background: the next step does not wait for storage.
+        num_to_keep: Complete checkpoints kept on storage (None: all). With a
+            score attribute the best ones are kept, otherwise the newest.
+        checkpoint_score_attribute: A numeric metric reported with each
+            checkpoint that ranks them (Ray's name).
+        checkpoint_score_order: "max" or "min": which scores are best.
+        async_save: Save arrays in the background: the next step does not wait for storage.
+
+    Example:
+        >>> CheckpointConfig(num_to_keep=2, checkpoint_score_attribute="loss", checkpoint_score_order="min").num_to_keep
+        2
     """
 
     num_to_keep: int | None = None
+    checkpoint_score_attribute: str | None = None
+    checkpoint_score_order: str = "max"
     async_save: bool = True
 
     def __post_init__(self) -> None:
-        if self.num_to_keep is not None and self.num_to_keep < 1:
-            raise ValueError(f"num_to_keep={self.num_to_keep} must be >= 1 or None")
+        check_optional(check_int, "num_to_keep", self.num_to_keep, minimum=1)
+        check_optional(check_str, "checkpoint_score_attribute", self.checkpoint_score_attribute)
+        check_choice("checkpoint_score_order", self.checkpoint_score_order, ("max", "min"))
+        check_bool("async_save", self.async_save)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class FailureConfig:
-    """Separate budgets for lost hosts and for errors in user code.
+    """Separate restart budgets for lost hosts and for errors in user code.
 
     Args:
-        max_preemptions: Restarts allowed after a host/slice is lost (-1: unlimited).
-        max_failures: Restarts allowed after an error in user code (0: none).
+        max_failures: Restarts allowed after an error in user code (0: none, -1: unlimited).
+        max_preemptions: Restarts allowed after a host/slice is lost (-1:
+            unlimited; default 10).
+        max_preemption_failures: Ray Train's name for ``max_preemptions``
+            (give one of the two).
+        heartbeat_timeout_s: A host whose heartbeat (published by its process
+            every ``min(0.25, heartbeat_timeout_s / 4)`` s) stops for this long
+            is lost: the attempt ends as a preemption at once, without waiting
+            for Ray to declare its node dead (15 s or more with Ray's
+            production health checks).
+        step_timeout_s: A host that is alive but completes no step for this
+            long is hung (a stuck collective): the attempt ends with outcome
+            ``timeout``, counted against ``max_failures``. None (default): not
+            checked. The first step of each attempt (compile, restore) and the
+            final checkpoint wait are not timed.
+
+    Example:
+        >>> FailureConfig(max_preemption_failures=3).max_preemptions
+        3
+        >>> FailureConfig(step_timeout_s=30).step_timeout_s
+        30.0
     """
 
-    max_preemptions: int = 10
     max_failures: int = 0
+    max_preemptions: int | None = None
+    max_preemption_failures: int | None = None
+    heartbeat_timeout_s: float = 1.0
+    step_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
-        for name in ("max_preemptions", "max_failures"):
-            if getattr(self, name) < -1:
-                raise ValueError(f"{name}={getattr(self, name)} must be >= 0, or -1 for unlimited")
+        check_int("max_failures", self.max_failures, minimum=-1)
+        check_optional(check_int, "max_preemptions", self.max_preemptions, minimum=-1)
+        check_optional(check_int, "max_preemption_failures", self.max_preemption_failures, minimum=-1)
+        a, b = self.max_preemptions, self.max_preemption_failures
+        if a is not None and b is not None and a != b:
+            raise fail("max_preemption_failures", b, f"{a} (the max_preemptions given) or None: they are one budget")
+        value = 10 if a is None and b is None else (a if a is not None else b)
+        object.__setattr__(self, "heartbeat_timeout_s",
+                           check_float("heartbeat_timeout_s", self.heartbeat_timeout_s, minimum=0.2, maximum=600))
+        object.__setattr__(self, "step_timeout_s", check_optional(check_float, "step_timeout_s", self.step_timeout_s,
+                                                                  minimum=0, exclusive_min=True))
+        object.__setattr__(self, "max_preemptions", value)
+        object.__setattr__(self, "max_preemption_failures", value)
+
+
+class UserCallback:
+    """Ray Train's callback shape: override the hooks you need (both run in the driver).
+
+    Pass instances in ``RunConfig(callbacks=[...])``, alongside plain
+    callables (which get rank 0's ``{"step", "metrics", "attempt"}`` dict).
+
+    Example:
+        >>> class Losses(UserCallback):
+        ...     def __init__(self):
+        ...         self.seen = []
+        ...     def after_report(self, run_context, metrics, checkpoint):
+        ...         self.seen.append(metrics[0]["loss"])  # one dict per worker, rank order
+    """
+
+    def after_report(self, run_context: Any, metrics: list[dict[str, Any]], checkpoint: Any) -> None:
+        """After every worker reported a step: their metrics (``metrics[rank]``) and the step's checkpoint."""
+
+    def after_exception(self, run_context: Any, worker_exceptions: dict[int, BaseException]) -> None:
+        """After an attempt failed: the exception by world rank (``-1`` when no rank is known)."""
 
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+_SCHEMES = ("gs://", "s3://", "file://")
 
 
-@dataclasses.dataclass(frozen=True)
+def _check_callback(i: int, cb: object) -> object:
+    if isinstance(cb, UserCallback) or callable(getattr(cb, "after_report", None)) \
+            or callable(getattr(cb, "after_exception", None)):
+        return cb
+    if callable(cb):
+        return cb
+    raise fail(f"callbacks[{i}]", cb, "a callable taking rank 0's report dict, or a UserCallback "
+                                      "(an object with after_report(run_context, metrics, checkpoint))", got_type=True)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class RunConfig:
     """Where a run keeps its checkpoints, and how it handles failures.
 
     Args:
-        name: Run name (a directory under ``storage_path``).
+        name: Run name (a directory under ``storage_path``). None: every
+            ``fit()`` starts a fresh run with a new unique name. Resuming is
+            explicit: pass the name of the run to continue.
         storage_path: Storage every host can reach (on real slices a shared or
-            cloud path; on the simulator a local directory).
-        checkpoint_config: Checkpoint retention.
-        failure_config: Restart budgets.
+            cloud path: ``gs://``, ``s3://``, ``file://``; on the simulator a
+            local directory). None: ``~/rayslice_results``.
+        storage_filesystem: Only None (or a local ``pyarrow.fs.LocalFileSystem``):
+            rayslice reaches storage through Orbax and ``etils.epath``; give a
+            URL in ``storage_path`` instead.
+        checkpoint_config: Which checkpoints to keep (None: defaults).
+        failure_config: Restart budgets (None: defaults).
+        worker_runtime_env: A Ray runtime environment for the worker processes.
         progress: Show a live progress line in the driver.
-        callbacks: Called in the driver with each report from rank 0
-            (``{"step", "metrics", "attempt"}``), e.g. to log or inject faults.
+        callbacks: Called in the driver: plain callables with rank 0's
+            ``{"step", "metrics", "attempt"}`` per step, and
+            :class:`UserCallback`-shaped objects (``after_report``,
+            ``after_exception``).
+
+    Example:
+        >>> RunConfig(name="a b")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        rayslice.errors.InvalidArgument: name='a b' is not valid: expected letters, digits, '_', '-', '.' ...
     """
 
-    name: str = "rayslice-run"
-    storage_path: str = "~/rayslice_results"
-    checkpoint_config: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
-    failure_config: FailureConfig = dataclasses.field(default_factory=FailureConfig)
+    name: str | None = None
+    storage_path: str | None = "~/rayslice_results"
+    storage_filesystem: Any = None
+    checkpoint_config: CheckpointConfig | None = dataclasses.field(default_factory=CheckpointConfig)
+    failure_config: FailureConfig | None = dataclasses.field(default_factory=FailureConfig)
+    worker_runtime_env: Mapping[str, Any] | None = None
     progress: bool = True
-    callbacks: Sequence[Callable[[dict[str, Any]], None]] = ()
+    callbacks: Sequence[Callable[[dict[str, Any]], None] | UserCallback] | None = ()
 
     def __post_init__(self) -> None:
-        if not _NAME.match(self.name):
-            raise ValueError(f"run name {self.name!r} is not valid; use letters, digits, '_', '-', '.'")
-        if "://" in self.storage_path and not self.storage_path.startswith(("gs://", "s3://", "file://")):
-            raise ValueError(f"storage_path {self.storage_path!r}: supported schemes are gs://, s3://, file://")
+        if self.name is not None and (not isinstance(self.name, str) or not _NAME.match(self.name)):
+            raise fail("name", self.name, "letters, digits, '_', '-', '.' (starting with a letter or digit), "
+                                          "or None for a fresh name")
+        if self.storage_path is None:
+            object.__setattr__(self, "storage_path", "~/rayslice_results")
+        import os
+
+        if isinstance(self.storage_path, os.PathLike):
+            object.__setattr__(self, "storage_path", os.fspath(self.storage_path))
+        path = check_str("storage_path", self.storage_path)
+        if "://" in path and not path.startswith(_SCHEMES):
+            raise fail("storage_path", path, "a local path or a gs://, s3:// or file:// URL")
+        if self.storage_filesystem is not None and type(self.storage_filesystem).__name__ != "LocalFileSystem":
+            raise fail("storage_filesystem", self.storage_filesystem,
+                       "None: custom filesystems are not supported (rayslice writes through Orbax/etils.epath); "
+                       "give a gs://, s3:// or file:// URL as storage_path")
+        if self.checkpoint_config is None:
+            object.__setattr__(self, "checkpoint_config", CheckpointConfig())
+        if self.failure_config is None:
+            object.__setattr__(self, "failure_config", FailureConfig())
+        check_instance("checkpoint_config", self.checkpoint_config, CheckpointConfig,
+                       "a rayslice.train.CheckpointConfig")
+        check_instance("failure_config", self.failure_config, FailureConfig, "a rayslice.train.FailureConfig")
+        if self.worker_runtime_env is not None and not isinstance(self.worker_runtime_env, Mapping):
+            raise fail("worker_runtime_env", self.worker_runtime_env, "a dict (a Ray runtime_env) or None",
+                       got_type=True)
+        check_bool("progress", self.progress)
+        callbacks = () if self.callbacks is None else self.callbacks
+        if isinstance(callbacks, str | bytes | Mapping) or not isinstance(callbacks, Sequence):
+            raise fail("callbacks", callbacks, "a list of callables or UserCallbacks", got_type=True)
+        object.__setattr__(self, "callbacks", tuple(_check_callback(i, cb) for i, cb in enumerate(callbacks)))
+
+    def run_path_for(self, name: str) -> str:
+        """``storage_path/name``, with ``~`` expanded for local paths."""
+        return run_dir(str(self.storage_path), name)
 
     @property
     def run_path(self) -> str:
-        """``storage_path/name``, with ``~`` expanded for local paths."""
-        base = self.storage_path
-        if base.startswith("file://"):
-            base = base[len("file://"):]
-        if "://" not in base:
-            base = os.path.abspath(os.path.expanduser(base))
-        return f"{base.rstrip('/')}/{self.name}"
+        """``storage_path/name`` (only for a named run: unnamed runs get their name in ``fit()``)."""
+        if self.name is None:
+            raise ValueError("RunConfig(name=None) has no run path yet: each fit() picks a fresh name "
+                             "(see result.path), or pass name=... to choose one")
+        return self.run_path_for(self.name)
 
     @property
     def checkpoint_path(self) -> str:
-        return f"{self.run_path}/checkpoints"
+        """Where this named run's checkpoints live."""
+        return checkpoints_dir(self.run_path)

@@ -1,39 +1,107 @@
 """The training controller: reserve, start the gang, watch, classify, restart.
 
 ``JaxTrainer.fit()`` runs in the driver, which never imports JAX. Each
-attempt reserves whole slices, starts fresh gang processes (``jax.distributed``
-cannot be initialised twice in one process), runs ``train_loop_per_worker`` on
-every host, and watches rank 0's reports. When a host is lost the attempt is
-torn down, the slices released, and a new attempt reserves again (possibly
-other, intact slices) and resumes from the latest complete checkpoint. Errors
-in user code and lost hosts have separate budgets.
+attempt reserves whole slices (the :class:`~rayslice.request.SliceRequest`
+built once by :class:`ScalingConfig`), starts fresh gang processes
+(``jax.distributed`` cannot be initialised twice in one process), runs
+``train_loop_per_worker`` on every host, and watches every host's reports.
+When a host is lost the attempt is torn down, the slices released, and a new
+attempt reserves again (possibly other, intact slices) and resumes from the
+latest complete checkpoint. Errors in user code and lost hosts have separate
+budgets. Each attempt ends as a :class:`~rayslice.errors.RunOutcome` value.
+
+Given a reservation the caller already holds (``tpu_slice=``), the trainer
+runs on it and neither reserves nor releases it. Restarts after an error in
+user code run on the same slice; a lost host ends ``fit()`` with a
+:class:`~rayslice.errors.GangError` (outcome ``PREEMPTED``) saying so, since
+the trainer does not reserve behind the caller's back.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import logging
 import time
+import uuid
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 from rich.console import Console
 
-from rayslice.errors import Outcome, ReservationError, classify, describe
+from rayslice._validate import check_callable, check_instance, fail
+from rayslice.errors import GangError, Outcome, ReservationError, RunOutcome, describe
 from rayslice.gang import SliceGang
-from rayslice.placement import slice_placement_group
-from rayslice.train.checkpoint import Checkpoint, latest_complete_step
-from rayslice.train.config import RunConfig, ScalingConfig
+from rayslice.placement import SlicePlacementGroup, slice_placement_group
+from rayslice.train.checkpoint import (
+    Checkpoint,
+    checkpoint_steps,
+    checkpoints_dir,
+    commit_pending,
+    discard_pending,
+    latest_complete_step,
+    prune_directories,
+    step_dir,
+)
+from rayslice.train.config import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+from rayslice.train.context import TrainContext
 from rayslice.train.goodput import Goodput, GoodputTracker
-from rayslice.train.worker import TrainContext, drain_reports, run_worker
+from rayslice.train.heartbeat import (
+    HeartbeatMonitor,
+    Verdict,
+    delete_beats,
+    heartbeat_key,
+    period_for,
+    read_beats,
+)
+from rayslice.train.worker import drain_reports, run_worker
 
 logger = logging.getLogger(__name__)
 _POLL_S = 0.2
 
 
+@dataclasses.dataclass(frozen=True)
+class TrainRunContext:
+    """What ``UserCallback`` hooks get as ``run_context`` (Ray Train's name).
+
+    Attributes:
+        run_id: Unique per ``fit()`` call.
+        name: The run's name (fresh per ``fit()`` unless ``RunConfig.name`` is set).
+        path: ``<storage_path>/<name>``.
+        run_config: The run's :class:`RunConfig`.
+        scaling_config: The run's :class:`ScalingConfig`.
+        train_loop_config: What the training function gets.
+    """
+
+    run_id: str
+    name: str
+    path: str
+    run_config: RunConfig
+    scaling_config: ScalingConfig
+    train_loop_config: Any
+
+    def get_run_config(self) -> RunConfig:
+        return self.run_config
+
+
 @dataclasses.dataclass
 class Result:
-    """What ``fit()`` returns."""
+    """What ``fit()`` returns (Ray Train's attributes, plus rayslice's).
+
+    Attributes:
+        metrics: Rank 0's last reported metrics (None if nothing was reported).
+        metrics_history: Rank 0's reports in order, ``[{"step": ..., **metrics}]``.
+        checkpoint: The latest complete checkpoint, or None.
+        path: ``<storage_path>/<name>``.
+        error: The error that ended the run (your exception, a reservation
+            or gang error), or None. ``fit()`` returns it rather than raising.
+        goodput: Where the wall time went.
+        attempts, preemptions, failures: Attempt counts.
+        name: The run's name (pass it as ``RunConfig(name=...)`` to resume).
+        return_value: What the training function returned on rank 0.
+        best_checkpoints: ``[(Checkpoint, metrics)]`` for every complete
+            checkpoint on storage, oldest first.
+    """
 
     metrics: dict[str, Any] | None
     metrics_history: list[dict[str, Any]]
@@ -44,10 +112,49 @@ class Result:
     attempts: int
     preemptions: int
     failures: int
+    name: str = ""
+    return_value: Any = None
+    best_checkpoints: list[tuple[Checkpoint, dict[str, Any]]] = dataclasses.field(default_factory=list)
+
+    @property
+    def metrics_dataframe(self) -> Any:
+        """``metrics_history`` as a pandas DataFrame, one row per report."""
+        import pandas as pd
+
+        return pd.DataFrame(self.metrics_history)
+
+    @property
+    def filesystem(self) -> Any:
+        """A ``pyarrow.fs.FileSystem`` for :attr:`path` (as Ray's ``Result.filesystem``)."""
+        import pyarrow.fs
+
+        return pyarrow.fs.FileSystem.from_uri(self.path)[0]
+
+    def get_best_checkpoint(self, metric: str, mode: str) -> Checkpoint | None:
+        """The checkpoint whose ``metric`` is highest (``mode="max"``) or lowest (``"min"``)."""
+        if mode not in ("max", "min"):
+            raise fail("mode", mode, "'max' or 'min'")
+        scored = [(m[metric], c) for c, m in self.best_checkpoints if isinstance(m.get(metric), int | float)]
+        if not scored:
+            return None
+        pick = max if mode == "max" else min
+        return pick(scored, key=lambda t: t[0])[1]
+
+
+class _CallbackFailed(Exception):
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(describe(error))
+        self.error = error
 
 
 def _budget_left(used: int, limit: int) -> bool:
     return limit < 0 or used <= limit
+
+
+def fresh_run_name() -> str:
+    """A new unique run name: ``rayslice_run-<UTC time>-<6 hex>``."""
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d_%H-%M-%S")
+    return f"rayslice_run-{stamp}-{uuid.uuid4().hex[:6]}"
 
 
 class JaxTrainer:
@@ -57,13 +164,17 @@ class JaxTrainer:
         train_loop_per_worker: ``fn(config)`` (or ``fn()``), run on every host
             with ``jax.distributed`` up. Import JAX inside it.
         train_loop_config: Passed to the function.
-        scaling_config: Slices to train on.
-        run_config: Name, storage, checkpoints, failure budgets.
-        datasets: Ray Datasets; each host gets ``get_dataset_shard(name)``, an
-            equal, deterministic split (materialized once per ``fit``, in source
-            order; at most ``world_size - 1`` rows are dropped to equalize), so
-            a restart resumes the same rows from the iterator state in the
-            checkpoint, and two runs over the same data see the same rows.
+        scaling_config: Slices to train on (optional with ``tpu_slice``).
+        run_config: Name, storage, checkpoints, failure budgets, callbacks.
+        datasets: Ray Datasets (or functions returning one); each host gets
+            ``get_dataset_shard(name)``, an equal, deterministic split
+            (materialized once per ``fit``, in source order; at most
+            ``world_size - 1`` rows are dropped to equalize), so a restart
+            resumes the same rows from the iterator state in the checkpoint,
+            and two runs over the same data see the same rows.
+        tpu_slice: A :class:`~rayslice.placement.SlicePlacementGroup` the
+            caller holds: train on it, never reserve or release it.
+        console: Where progress goes (default: stderr).
 
     Example:
         >>> trainer = JaxTrainer(loop, scaling_config=ScalingConfig(topology="2x2x2",
@@ -72,66 +183,123 @@ class JaxTrainer:
     """
 
     def __init__(self, train_loop_per_worker: Callable[..., Any], *, train_loop_config: Any = None,
-                 scaling_config: ScalingConfig, run_config: RunConfig | None = None,
-                 datasets: Mapping[str, Any] | None = None, console: Console | None = None) -> None:
-        if not callable(train_loop_per_worker):
-            raise TypeError("train_loop_per_worker must be callable")
-        self.train_fn = train_loop_per_worker
+                 scaling_config: ScalingConfig | None = None, run_config: RunConfig | None = None,
+                 datasets: Mapping[str, Any] | None = None, tpu_slice: SlicePlacementGroup | None = None,
+                 console: Console | None = None) -> None:
+        self.train_fn = check_callable("train_loop_per_worker", train_loop_per_worker)
         self.config = train_loop_config
+        if tpu_slice is not None:
+            check_instance("tpu_slice", tpu_slice, SlicePlacementGroup, "a rayslice SlicePlacementGroup (held)")
+        if scaling_config is None:
+            if tpu_slice is None:
+                raise fail("scaling_config", None, "a rayslice.train.ScalingConfig(topology=..., accelerator_type=...)"
+                                                   " (or pass tpu_slice=<a held SlicePlacementGroup>)")
+            scaling_config = ScalingConfig(topology=tpu_slice.request)
+        check_instance("scaling_config", scaling_config, ScalingConfig,
+                       "a rayslice.train.ScalingConfig(topology=..., accelerator_type=...)")
+        if tpu_slice is not None:
+            held, wanted = tpu_slice.request, scaling_config.request
+            if held.topology != wanted.topology or held.num_slices != wanted.num_slices:
+                raise fail("tpu_slice", f"<SlicePlacementGroup {held}>",
+                           f"a reservation of {wanted} (what scaling_config asks for)")
+        self.run_config = check_instance("run_config", RunConfig() if run_config is None else run_config, RunConfig,
+                                         "a rayslice.train.RunConfig or None")
+        if datasets is not None and not isinstance(datasets, Mapping):
+            raise fail("datasets", datasets, "a dict of name -> Ray Dataset", got_type=True)
+        for key, ds in (datasets or {}).items():
+            if not isinstance(key, str) or not key:
+                raise fail("datasets", datasets, "dataset names as non-empty strings")
+            if not (hasattr(ds, "materialize") or callable(ds)):
+                raise fail(f"datasets[{key!r}]", ds, "a Ray Dataset (or a function returning one)", got_type=True)
+        if console is not None:
+            check_instance("console", console, Console, "a rich.console.Console or None")
         self.scaling = scaling_config
-        self.run_config = run_config or RunConfig()
+        self.tpu_slice = tpu_slice
+        # RunConfig normalized these on construction (None -> defaults).
+        self._fc = cast(FailureConfig, self.run_config.failure_config)
+        self._cc = cast(CheckpointConfig, self.run_config.checkpoint_config)
+        self._callbacks = cast(tuple[Any, ...], self.run_config.callbacks)
         self.datasets = dict(datasets or {})
         self.console = console or Console(stderr=True)
 
     # -- public --------------------------------------------------------
     def fit(self) -> Result:
-        """Trains until the loop returns on every host, or the budgets run out."""
+        """Trains until the loop returns on every host, or the budgets run out.
+
+        Each call without ``RunConfig(name=...)`` is a fresh run under a new
+        name; with a name, a run that already has checkpoints there resumes
+        from the latest one.
+        """
         from rayslice.metrics import GoodputExporter
 
         rc = self.run_config
+        name = rc.name or fresh_run_name()
+        path = rc.run_path_for(name)
+        self._root = checkpoints_dir(path)
+        self._run = TrainRunContext(uuid.uuid4().hex, name, path, rc, self.scaling, self.config)
         tracker = GoodputTracker()
-        self._exporter = GoodputExporter(rc.name)
+        self._exporter = GoodputExporter(name)
         history: list[dict[str, Any]] = []
-        materialized = {k: _materialize_in_order(ds) for k, ds in self.datasets.items()}
+        materialized = {k: _materialize_in_order(ds() if not hasattr(ds, "materialize") else ds)
+                        for k, ds in self.datasets.items()}
         attempt, preemptions, failures = 0, 0, 0
         error: BaseException | None = None
+        self._return_value = None
+        self._avoid: set[str] = set()  # slices with a host that just stopped answering
+        self._detection_s = 0.0
         status = self.console.status("starting") if rc.progress else None
         if status:
             status.start()
         try:
             while True:
                 attempt += 1
-                outcome, exc, unreported = self._attempt(attempt, tracker, history, materialized, status,
-                                                         preemptions + failures)
-                if outcome is Outcome.OK:
+                self._detection_s = 0.0
+                out = self._attempt(attempt, tracker, history, materialized, status, preemptions + failures)
+                if out.ok:
                     break
-                restore = latest_complete_step(rc.checkpoint_path)
-                tracker.on_failure(restore, unreported)
-                if outcome is Outcome.PREEMPTED:
+                restore = latest_complete_step(self._root)
+                tracker.on_failure(restore, out.lost_s, self._detection_s)
+                self._after_exception(out)
+                if out.outcome is Outcome.PREEMPTED:
                     preemptions += 1
-                    ok = _budget_left(preemptions, rc.failure_config.max_preemptions)
+                    ok = _budget_left(preemptions, cast(int, self._fc.max_preemptions))
+                    if ok and self.tpu_slice is not None:
+                        error = GangError(f"a host of the held slice {self.tpu_slice.name!r} was lost "
+                                          f"({out.message}); JaxTrainer(tpu_slice=...) never reserves another "
+                                          "slice: reserve again and fit() with the new one, or omit tpu_slice "
+                                          "so the trainer reserves and restarts by itself", Outcome.PREEMPTED,
+                                          rank=out.rank)
+                        error.__cause__ = out.error
+                        self._say(f"attempt {attempt}: preempted: {out.message}; giving up (held slice)")
+                        break
                 else:
                     failures += 1
-                    ok = outcome is not Outcome.CANCELLED and _budget_left(failures, rc.failure_config.max_failures)
-                self._say(f"attempt {attempt}: {outcome.value}: {describe(exc)}"
+                    ok = out.outcome is not Outcome.CANCELLED and _budget_left(failures, self._fc.max_failures)
+                self._say(f"attempt {attempt}: {out.outcome.value}: {out.message}"
                           + (f"; restarting from checkpoint {restore}" if ok else "; giving up"))
                 if not ok:
-                    error = exc
+                    error = out.error
                     break
         except ReservationError as e:
             error = e
+        except _CallbackFailed as e:
+            error = e.error
+            self._say(f"a callback failed, stopping the run: {describe(e.error)}")
         finally:
             if status:
                 status.stop()
+            discard_pending(self._root)
         goodput = tracker.finish()
         self._exporter.export(goodput.seconds, goodput.fraction)
-        step = latest_complete_step(rc.checkpoint_path)
+        step = latest_complete_step(self._root)
         result = Result(
             metrics=history[-1]["metrics"] if history else None,
             metrics_history=[{"step": h["step"], **h["metrics"]} for h in history],
-            checkpoint=None if step is None else Checkpoint(f"{rc.checkpoint_path}/{step}", step),
-            path=rc.run_path, error=error, goodput=goodput, attempts=attempt,
-            preemptions=preemptions, failures=failures,
+            checkpoint=None if step is None else Checkpoint(step_dir(self._root, step), step),
+            path=path, error=error, goodput=goodput, attempts=attempt,
+            preemptions=preemptions, failures=failures, name=name,
+            return_value=self._return_value if error is None else None,
+            best_checkpoints=_scored_checkpoints(self._root),
         )
         if rc.progress:
             self.console.print(goodput.table())
@@ -139,92 +307,215 @@ class JaxTrainer:
 
     # -- one attempt -------------------------------------------------------
     def _attempt(self, attempt: int, tracker: GoodputTracker, history: list[dict[str, Any]],
-                 datasets: Mapping[str, Any], status: Any, restarts: int) -> tuple[Outcome, BaseException | None, float]:
-        sc, rc = self.scaling, self.run_config
-        self._status(status, f"attempt {attempt}: reserving {sc.num_slices} x {sc.topology_info}")
-        with tracker.timed("reservation"):
-            spg = slice_placement_group(sc.topology, sc.accelerator_type, num_slices=sc.num_slices,
-                                        chips_per_host=sc.chips_per_host, resources_per_host=sc.resources_per_host,
-                                        timeout_s=sc.reservation_timeout_s, name=f"{rc.name}-{attempt}",
-                                        progress=False)
-        gang = SliceGang(spg, init_timeout_s=sc.init_timeout_s, actor_options={"max_concurrency": 2}, name=rc.name)
+                 datasets: Mapping[str, Any], status: Any, restarts: int) -> RunOutcome:
+        sc, rc, run = self.scaling, self.run_config, self._run
+        t0 = time.monotonic()
+        discard_pending(self._root)
+        if self.tpu_slice is not None:
+            spg = self.tpu_slice
+        else:
+            self._status(status, f"attempt {attempt}: reserving {sc.request}")
+            with tracker.timed("reservation"):
+                spg = slice_placement_group(sc.request, timeout_s=sc.reservation_timeout_s,
+                                            name=f"{run.name}-{attempt}", progress=False,
+                                            avoid_slices=sorted(self._avoid))
+            self._avoid = set()
+        options: dict[str, Any] = {"max_concurrency": 2}
+        if rc.worker_runtime_env:
+            options["runtime_env"] = dict(rc.worker_runtime_env)
+        gang = SliceGang(spg, init_timeout_s=sc.init_timeout_s, actor_options=options, name=run.name,
+                         artifacts_dir=run.path)
         last_report: float | None = None  # set once the loop runs: start-up time is "startup", not "lost"
+        keys = [heartbeat_key(run.run_id, attempt, rank) for rank in range(spg.num_hosts)]
         try:
             self._status(status, f"attempt {attempt}: starting {spg.num_hosts} host processes on "
                                  f"{', '.join(s.name for s in spg.slices)}")
             with tracker.timed("startup"):
                 gang.start()
             splits = {k: ds.split(spg.num_hosts, equal=True) for k, ds in datasets.items()}
-            info = {"checkpoint_dir": rc.checkpoint_path, "num_to_keep": rc.checkpoint_config.num_to_keep,
-                    "async_save": rc.checkpoint_config.async_save,
-                    "restore_step": latest_complete_step(rc.checkpoint_path)}
+            cc = self._cc
+            info = {"checkpoint_dir": self._root, "num_to_keep": cc.num_to_keep, "async_save": cc.async_save,
+                    "score_attribute": cc.checkpoint_score_attribute, "score_order": cc.checkpoint_score_order,
+                    "restore_step": latest_complete_step(self._root)}
+            fc = self._fc
+            period = period_for(cast(float, fc.heartbeat_timeout_s))
             refs = []
             for rank, (actor, hc) in enumerate(zip(gang.actors, gang.contexts)):
                 ctx = TrainContext(world_rank=rank, world_size=len(gang.actors), slice_index=hc.slice_index,
-                                   slice_name=hc.slice_name,
-                                   num_slices=hc.num_slices, worker_id=hc.worker_id,
+                                   slice_name=hc.slice_name, num_slices=hc.num_slices, worker_id=hc.worker_id,
                                    hosts_per_slice=hc.hosts_per_slice, local_device_count=hc.devices_per_host,
-                                   experiment_name=rc.name, run_path=rc.run_path, attempt=attempt)
+                                   experiment_name=run.name, run_path=run.path, attempt=attempt, run_id=run.run_id)
                 shards = {k: v[rank] for k, v in splits.items()}
-                refs.append(actor.call.remote(run_worker, (self.train_fn, self.config, ctx, info, shards), {}))
+                host_info = {**info, "heartbeat": {"key": keys[rank], "period_s": period}}
+                refs.append(actor.call.remote(run_worker, (self.train_fn, self.config, ctx, host_info, shards), {}))
             last_report = time.monotonic()
-            return self._watch(gang, refs, tracker, history, status, attempt, restarts)
+            monitor = HeartbeatMonitor(len(refs), cast(float, fc.heartbeat_timeout_s), fc.step_timeout_s,
+                                       start_step=info["restore_step"] or 0)
+            return self._watch(gang, refs, tracker, history, status, attempt, restarts, t0, monitor, keys)
+        except _CallbackFailed:
+            raise
         except Exception as e:  # start-up or split failed: a value, like any other failure
-            return classify(e), e, 0.0 if last_report is None else time.monotonic() - last_report
+            lost = 0.0 if last_report is None else time.monotonic() - last_report
+            return RunOutcome.of(e, elapsed_s=time.monotonic() - t0, lost_s=lost)
         finally:
             gang.shutdown()
-            spg.release()
+            if self.tpu_slice is None:
+                spg.release()
+            delete_beats(keys)
 
     def _watch(self, gang: SliceGang, refs: list[Any], tracker: GoodputTracker, history: list[dict[str, Any]],
-               status: Any, attempt: int, restarts: int) -> tuple[Outcome, BaseException | None, float]:
+               status: Any, attempt: int, restarts: int, t0: float, monitor: HeartbeatMonitor,
+               keys: list[str]) -> RunOutcome:
         import ray
 
-        pending = list(refs)
+        pending = dict(enumerate(refs))
         last = time.monotonic()
+        world = len(gang.actors)
+        fc = self._fc
+        # Reports per step from every rank, until every rank has reported the step.
+        steps: dict[int, dict[int, dict[str, Any]]] = {}
+        # One drain call in flight per rank: a host that does not answer (dead,
+        # and not yet declared dead by Ray) never blocks the others' reports.
+        draining: dict[int, Any] = {}
 
-        def drain(timeout: float) -> None:
+        def where(rank: int) -> str:
+            hc = gang.contexts[rank]
+            return f"host rank {rank} ({hc.slice_name} worker {hc.worker_id})"
+
+        def complete(step: int, by_rank: dict[int, dict[str, Any]]) -> None:
+            kinds = {r["checkpoint"] for r in by_rank.values()} - {None}
+            rank0 = by_rank[0]
+            ckpt = None
+            if "directory" in kinds:
+                ckpt = commit_pending(self._root, step, attempt, {
+                    "step": step, "metrics": rank0["metrics"], "world_size": world, "attempt": attempt})
+                cc = self._cc
+                prune_directories(self._root, cc.num_to_keep, cc.checkpoint_score_attribute,
+                                  cc.checkpoint_score_order)
+            elif "arrays" in kinds:
+                ckpt = Checkpoint(step_dir(self._root, step), step)  # may still be being written (async save)
+            per_rank = [by_rank[r]["metrics"] for r in range(world)]
+            for cb in self._callbacks:
+                try:
+                    if callable(getattr(cb, "after_report", None)):
+                        cb.after_report(self._run, per_rank, ckpt)
+                    elif callable(cb) and not hasattr(cb, "after_exception"):
+                        cb({"step": step, "metrics": rank0["metrics"], "attempt": attempt})
+                except Exception as e:
+                    raise _CallbackFailed(e) from e
+
+        def drain(timeout: float, skip: frozenset[int] = frozenset()) -> None:
             nonlocal last
-            reports = ray.get(gang.actors[0].call.remote(drain_reports, (), {}), timeout=timeout)
-            if not reports:
-                return
-            last = time.monotonic()
-            tracker.on_reports(reports)
-            history.extend(reports)
-            snap = tracker.snapshot()
-            self._exporter.export(snap.seconds, snap.fraction)
-            for r in reports:
-                for cb in self.run_config.callbacks:
-                    cb({"step": r["step"], "metrics": r["metrics"], "attempt": attempt})
-            latest = reports[-1]
-            shown = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
-                              for k, v in list(latest["metrics"].items())[:4])
-            self._status(status, f"step {latest['step']} | {shown} | attempt {attempt}, restarts {restarts}")
+            for rank, a in enumerate(gang.actors):
+                if rank not in draining and rank not in skip:
+                    draining[rank] = a.call.remote(drain_reports, (), {})
+            waiting = [ref for rank, ref in draining.items() if rank not in skip]
+            ready, _ = ray.wait(waiting, num_returns=len(waiting), timeout=timeout)
+            got: dict[int, list[dict[str, Any]]] = {}
+            for rank, ref in sorted(draining.items()):
+                if ref in ready:
+                    del draining[rank]
+                    got[rank] = ray.get(ref)  # raises if the host died (Ray noticed it first)
+            for rank, reports in got.items():
+                for r in reports:
+                    steps.setdefault(r["step"], {})[rank] = r
+            rank0 = got.get(0)
+            if rank0:
+                last = time.monotonic()
+                tracker.on_reports(rank0)
+                history.extend(rank0)
+                snap = tracker.snapshot()
+                self._exporter.export(snap.seconds, snap.fraction)
+                latest = rank0[-1]
+                shown = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+                                  for k, v in list(latest["metrics"].items())[:4])
+                self._status(status, f"step {latest['step']} | {shown} | attempt {attempt}, restarts {restarts}")
+            for step in sorted(s for s in steps if len(steps[s]) == world):
+                complete(step, steps.pop(step))
 
-        def failed(e: BaseException) -> tuple[Outcome, BaseException, float]:
-            outcome = classify(e)
+        def silent() -> float:
+            # How long the quietest host had been silent: the detection delay of a loss Ray reported.
+            quiet = max((monitor.silent_s(r) for r in range(world) if r not in monitor.finished), default=0.0)
+            return quiet if quiet > 2 * period_for(cast(float, fc.heartbeat_timeout_s)) else 0.0
+
+        def salvage(skip: frozenset[int]) -> None:
+            try:  # hosts may still hold reports of steps done before the failure
+                drain(timeout=2.0, skip=skip)
+            except _CallbackFailed:
+                raise
+            except Exception:
+                pass
+
+        def failed(e: BaseException, rank: int | None) -> RunOutcome:
+            self._detection_s = silent()
+            outcome = RunOutcome.of(e).outcome
             if outcome is not Outcome.PREEMPTED and gang.lost_hosts():
                 # The error is the echo of a lost host (a collective broke
                 # because its peer died): a preemption, not a bug.
                 outcome = Outcome.PREEMPTED
-            try:  # rank 0 may still hold reports of steps done before the failure
-                drain(timeout=2.0)
-            except Exception:
-                pass
-            return outcome, e, time.monotonic() - last
+            salvage(frozenset())
+            return RunOutcome(outcome, e, time.monotonic() - t0, time.monotonic() - last,
+                              rank if rank is not None else getattr(e, "rank", None))
+
+        def detected(verdict: Verdict) -> RunOutcome:
+            message = verdict.message(cast(float, fc.heartbeat_timeout_s), fc.step_timeout_s, where)
+            if verdict.kind == "lost":
+                outcome = Outcome.PREEMPTED
+                self._detection_s = verdict.silent_s
+                # Ray may list the node as alive for a while yet: reserve elsewhere if possible.
+                self._avoid = {gang.contexts[r].slice_name for r in verdict.ranks}
+            else:
+                outcome = Outcome.TIMEOUT
+                self._detection_s = max(0.0, verdict.silent_s - cast(float, fc.step_timeout_s))
+            error = GangError(message, outcome, rank=verdict.ranks[0])
+            salvage(frozenset(verdict.ranks) if verdict.kind == "lost" else frozenset())
+            return RunOutcome(outcome, error, time.monotonic() - t0, time.monotonic() - last, verdict.ranks[0])
 
         while True:
             try:
-                drain(timeout=30)
-            except Exception as e:  # rank 0 gone: its host was lost
-                return classify(e), e, time.monotonic() - last
-            if not pending:
-                return Outcome.OK, None, 0.0
-            ready, pending = ray.wait(pending, num_returns=len(pending), timeout=_POLL_S)
-            for ref in ready:
+                drain(timeout=0.1)
+            except _CallbackFailed:
+                raise
+            except Exception as e:  # a host gone: it was lost
+                self._detection_s = silent()
+                return RunOutcome.of(e, elapsed_s=time.monotonic() - t0, lost_s=time.monotonic() - last)
+            ready, _ = ray.wait(list(pending.values()), num_returns=len(pending), timeout=_POLL_S)
+            for rank, ref in list(pending.items()):
+                if ref not in ready:
+                    continue
+                del pending[rank]
+                monitor.finish(rank)
                 try:
-                    ray.get(ref)
+                    out = ray.get(ref)
                 except Exception as e:
-                    return failed(e)
+                    return failed(e, rank)
+                if rank == 0:
+                    self._return_value = out.get("return_value")
+            if not pending:
+                try:  # every host returned: collect the last reports
+                    drain(timeout=30)  # calls in flight from before (they may have missed the last ones)
+                    drain(timeout=30)  # fresh calls, made after every host returned
+                except _CallbackFailed:
+                    raise
+                except Exception as e:
+                    return RunOutcome.of(e, elapsed_s=time.monotonic() - t0, lost_s=time.monotonic() - last)
+                return RunOutcome.success(time.monotonic() - t0)
+            try:
+                monitor.observe(read_beats(keys))
+            except Exception as e:  # the GCS is unreachable: Ray's own errors will tell
+                logger.debug("heartbeats unreadable: %s", e)
+            verdict = monitor.check()
+            if verdict is not None:
+                return detected(verdict)
+
+    def _after_exception(self, out: RunOutcome) -> None:
+        for cb in self._callbacks:
+            hook = getattr(cb, "after_exception", None)
+            if callable(hook):
+                try:
+                    hook(self._run, {out.rank if out.rank is not None else -1: out.error})
+                except Exception as e:
+                    raise _CallbackFailed(e) from e
 
     # -- output --------------------------------------------------------------
     def _status(self, status: Any, text: str) -> None:
@@ -238,6 +529,18 @@ class JaxTrainer:
             logger.warning(text)
 
 
+def _scored_checkpoints(root: str) -> list[tuple[Checkpoint, dict[str, Any]]]:
+    out = []
+    for step in checkpoint_steps(root):
+        ckpt = Checkpoint(step_dir(root, step), step)
+        try:
+            metrics = ckpt.metadata().get("metrics", {})
+        except (FileNotFoundError, ValueError):
+            metrics = {}
+        out.append((ckpt, metrics))
+    return out
+
+
 def _materialize_in_order(ds: Any) -> Any:
     # Source order, so that two runs over the same dataset (and every restart
     # of one run) give each host the same rows in the same order.
@@ -245,3 +548,4 @@ def _materialize_in_order(ds: Any) -> Any:
     return ds.materialize()
 
 
+__all__ = ["JaxTrainer", "Result", "TrainRunContext", "fresh_run_name"]

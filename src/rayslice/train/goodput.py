@@ -2,8 +2,10 @@
 
 Components: reservation wait, start-up (processes + JAX init), compile (the
 first step of each attempt, restore included), productive steps, checkpoint
-stall (time a step was blocked by a save), lost work (steps recomputed after a
-failure, plus the unfinished step and the time to notice the failure), and
+stall (time a step was blocked by a save), detection (from a host's last sign
+of life to the driver noticing its loss, or from a step deadline to the end of
+a hung step), lost work (steps recomputed after a failure, plus the unfinished
+step), and
 other (driver overhead, final checkpoint wait, teardown). They add up to the
 wall time; ``goodput`` is productive / wall.
 
@@ -21,7 +23,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-COMPONENTS = ("reservation", "startup", "compile", "productive", "checkpoint_stall", "lost", "other")
+COMPONENTS = ("reservation", "startup", "compile", "productive", "checkpoint_stall", "detection", "lost", "other")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,13 +90,19 @@ class GoodputTracker:
             self.steps = max(self.steps, r["step"])
             self._uncommitted.append((r["step"], 0.0 if r["first"] else work))
 
-    def on_failure(self, restore_step: int | None, unreported_s: float) -> None:
-        """Moves steps after ``restore_step`` (they will be recomputed) to lost work."""
+    def on_failure(self, restore_step: int | None, unreported_s: float, detection_s: float = 0.0) -> None:
+        """Moves steps after ``restore_step`` (they will be recomputed) to lost work.
+
+        ``unreported_s`` is the time since the last report; the part of it
+        spent noticing the failure (``detection_s``) is booked as detection.
+        """
         base = restore_step or 0
         lost = [(s, w) for s, w in self._uncommitted if s > base]
         moved = sum(w for _, w in lost)
         self.seconds["productive"] -= moved
-        self.add("lost", moved + unreported_s)
+        detection = min(max(0.0, detection_s), max(0.0, unreported_s))
+        self.add("detection", detection)
+        self.add("lost", moved + unreported_s - detection)
         self.lost_steps += len(lost)
         self._uncommitted = []
 

@@ -1,8 +1,11 @@
 """The worker side of a training run: what ``train_loop_per_worker`` calls.
 
 Runs inside gang processes only (one per host, ``jax.distributed`` already
-up). ``report`` is called on every host, as SPMD code does; saving a
-checkpoint is a collective over all hosts (Orbax), asynchronous by default.
+up). ``report`` is called on every host, as SPMD code does. A checkpoint is
+either a pytree of arrays (saved with Orbax: a collective over all hosts,
+asynchronous by default) or, as in Ray Train, ``Checkpoint.from_directory(d)``
+for files you wrote (copied into run storage before ``report`` returns; any
+host may pass one, the files of all hosts are merged into one step).
 
 Example (inside ``train_loop_per_worker``)::
 
@@ -14,7 +17,7 @@ Example (inside ``train_loop_per_worker``)::
     it = iter_jax_batches(get_dataset_shard("train"), batch_size=32, state=data_state)
     for batch in it:
         state, loss = step(state, batch)
-        report({"loss": float(loss)}, checkpoint={"params": state, "data": it})
+        report({"loss": loss}, checkpoint={"params": state, "data": it})
 """
 
 from __future__ import annotations
@@ -26,51 +29,27 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from rayslice.train.checkpoint import Checkpoint, CheckpointWriter, split_data_iterators
+from rayslice._validate import fail
+from rayslice.train import context as _context
+from rayslice.train.checkpoint import Checkpoint, CheckpointWriter, split_data_iterators, step_dir, write_pending
+from rayslice.train.context import TrainContext
+from rayslice.train.heartbeat import HeartbeatPublisher
 
-
-@dataclasses.dataclass(frozen=True)
-class TrainContext:
-    """Where this worker sits. ``world_rank`` equals ``jax.process_index()``."""
-
-    world_rank: int
-    world_size: int
-    slice_index: int
-    num_slices: int
-    worker_id: int
-    hosts_per_slice: int
-    local_device_count: int
-    experiment_name: str
-    run_path: str
-    attempt: int
-    slice_name: str = ""
-    local_rank: int = 0  # one process per host
-
-    # Ray Train style getters, for code written against ray.train.get_context().
-    def get_world_rank(self) -> int:
-        return self.world_rank
-
-    def get_world_size(self) -> int:
-        return self.world_size
-
-    def get_local_rank(self) -> int:
-        return self.local_rank
-
-    def get_experiment_name(self) -> str:
-        return self.experiment_name
+__all__ = ["TrainContext", "get_checkpoint", "get_context", "get_dataset_shard", "report"]
 
 
 class _Session:
     def __init__(self, ctx: TrainContext, info: Mapping[str, Any], shards: Mapping[str, Any]) -> None:
         self.ctx = ctx
         self.shards = dict(shards)
+        self.info = dict(info)
         self.checkpoint_dir = info["checkpoint_dir"]
         # The driver chose the step for every host: listings can lag on shared
         # storage, and hosts restoring different steps would silently diverge.
         step = info["restore_step"]
-        self.checkpoint = None if step is None else Checkpoint(f"{self.checkpoint_dir}/{step}", step)
-        self.step = 0 if self.checkpoint is None else self.checkpoint.step
-        self.writer = CheckpointWriter(self.checkpoint_dir, info["num_to_keep"], info["async_save"])
+        self.checkpoint = None if step is None else Checkpoint(step_dir(self.checkpoint_dir, step), step)
+        self.step: int = 0 if step is None else step
+        self._writer: CheckpointWriter | None = None  # made on the first array checkpoint (same step on every host)
         self.lock = threading.Lock()
         self.last_gather: str | None = None
         self.reports: list[dict[str, Any]] = []
@@ -81,6 +60,14 @@ class _Session:
 
         self.sampler = HostSampler({"slice": ctx.slice_name, "worker_id": str(ctx.worker_id),
                                     "run": ctx.experiment_name}).start()
+
+    @property
+    def writer(self) -> CheckpointWriter:
+        if self._writer is None:
+            i = self.info
+            self._writer = CheckpointWriter(self.checkpoint_dir, i["num_to_keep"], i["async_save"],
+                                            i.get("score_attribute"), i.get("score_order", "max"))
+        return self._writer
 
 
 _SESSION: _Session | None = None
@@ -93,7 +80,7 @@ def _session() -> _Session:
 
 
 def get_context() -> TrainContext:
-    """This worker's :class:`TrainContext`."""
+    """This worker's :class:`TrainContext` (Ray Train's getters included)."""
     return _session().ctx
 
 
@@ -110,13 +97,34 @@ def get_dataset_shard(name: str) -> Any:
     return shards[name]
 
 
-def _scalar(v: Any) -> Any:
+def _plain(v: Any) -> Any:
+    """A metric value as plain Python, structure kept: arrays become lists, scalars Python numbers."""
     if isinstance(v, bool | int | float | str) or v is None:
         return v
-    try:
-        return v.item()  # numpy / jax scalars
-    except (AttributeError, ValueError, TypeError):
-        return str(v)
+    if isinstance(v, Mapping):
+        return {k: _plain(x) for k, x in v.items()}
+    if isinstance(v, list | tuple):
+        return type(v)(_plain(x) for x in v)
+    tolist = getattr(v, "tolist", None)  # numpy / jax arrays and scalars (0-d: a Python number)
+    if callable(tolist) and hasattr(v, "dtype"):
+        try:
+            return tolist()
+        except Exception:
+            return v
+    return v  # anything else travels as itself (pickled by Ray)
+
+
+def _json_safe(v: Any) -> Any:
+    return json.loads(json.dumps(v, default=str))
+
+
+def _is_ready(v: Any) -> bool:
+    if isinstance(v, Mapping):
+        return all(_is_ready(x) for x in v.values())
+    if isinstance(v, list | tuple):
+        return all(_is_ready(x) for x in v)
+    is_ready = getattr(v, "is_ready", None)
+    return is_ready() if callable(is_ready) else True
 
 
 def _gather_states(s: _Session, step: int, states: dict[str, Any]) -> dict[str, list[Any]]:
@@ -126,6 +134,8 @@ def _gather_states(s: _Session, step: int, states: dict[str, Any]) -> dict[str, 
     from jax._src import distributed
 
     client = distributed.global_state.client
+    if client is None:
+        raise RuntimeError("jax.distributed is not initialised in this worker (its coordination service is needed)")
     key = f"rayslice/ckpt/{s.ctx.attempt}/{step}"
     client.key_value_set(f"{key}/{s.ctx.world_rank}", json.dumps(states))
     per_rank = [states if r == s.ctx.world_rank else json.loads(client.blocking_key_value_get(f"{key}/{r}", 600_000))
@@ -139,35 +149,101 @@ def _gather_states(s: _Session, step: int, states: dict[str, Any]) -> dict[str, 
     return {k: [p.get(k) for p in per_rank] for k in states}
 
 
+def _checkpointable(tree: Any) -> Any:
+    """The pytree with every leaf Orbax can save on a multi-host run, or an error naming the bad leaf.
+
+    Host-local ``jax.Array`` leaves (committed to this host's devices, e.g. a
+    ``jnp`` scalar computed outside ``jit``) cannot be saved by Orbax when more
+    than one process runs; they are taken as replicated (every host holds the
+    same value, as SPMD code does) and made global over all devices. NumPy
+    arrays and Python numbers are saved as they are.
+    """
+    import jax
+    import numpy as np
+
+    multi = jax.process_count() > 1
+    mesh = None
+
+    def fix(path: Any, leaf: Any) -> Any:
+        nonlocal mesh
+        where = f"report(checkpoint=...) leaf {jax.tree_util.keystr(path) or '<root>'}"
+        if isinstance(leaf, jax.Array):
+            if multi and leaf.is_fully_addressable:
+                if mesh is None:
+                    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("hosts",))
+                replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+                return jax.make_array_from_process_local_data(replicated, np.asarray(leaf))
+            return leaf
+        if isinstance(leaf, np.ndarray):
+            if leaf.dtype == object or leaf.dtype.kind in "USV":
+                raise fail(where, leaf, "an array of numbers (not strings or objects): put them in metrics, "
+                                        "or save files with Checkpoint.from_directory(dir)")
+            return leaf
+        if isinstance(leaf, bool | int | float | complex | np.generic):
+            return leaf
+        raise fail(where, leaf, "a jax.Array, numpy array or Python number: put other values in metrics, "
+                                "or save files with Checkpoint.from_directory(dir)", got_type=True)
+
+    return jax.tree_util.tree_map_with_path(fix, tree)
+
+
 def report(metrics: Mapping[str, Any], checkpoint: Any = None) -> None:
-    """Reports this step's metrics, and optionally saves a checkpoint (call on every host).
+    """Reports this step's metrics, and optionally a checkpoint (call on every host, once per step).
 
     Args:
-        metrics: Scalars (Python, numpy or jax); rank 0's reach the driver.
-        checkpoint: A pytree of (possibly sharded) ``jax.Array``s to save. In a
-            top-level dict, data iterators (anything with ``state()``, e.g. a
-            :class:`~rayslice.data.JaxBatchIterator`) are saved as their state,
-            for :meth:`Checkpoint.data_state`.
+        metrics: A dict of metrics of any JSON-like type (numbers, strings,
+            lists, dicts; numpy/jax values become Python numbers and lists).
+            Values still being computed on the device do not block the step.
+            Every host's metrics reach the driver (``UserCallback.after_report``
+            gets them all; ``Result.metrics`` is rank 0's).
+        checkpoint: ``Checkpoint.from_directory(d)`` (files you wrote; copied to
+            run storage before this returns, so ``d`` may be a temporary
+            directory), or a pytree of ``jax.Array`` / numpy / Python numbers,
+            saved with Orbax on every host (pass the same tree structure on
+            all hosts). In a top-level dict, data iterators (anything with
+            ``state()``, e.g. a :class:`~rayslice.data.JaxBatchIterator`) are
+            saved as their per-host state for :meth:`Checkpoint.data_state`.
+
+    Raises:
+        InvalidArgument: bad metrics, a missing checkpoint directory, a leaf
+            Orbax cannot save (named by its path), or a missing score metric.
     """
     s = _session()
+    if not isinstance(metrics, Mapping) or not all(isinstance(k, str) for k in metrics):
+        raise fail("metrics", metrics, "a dict with string keys", got_type=not isinstance(metrics, Mapping))
     now = time.perf_counter()
     step = s.step + 1
-    # Computed values become Python scalars now (cheap, and no device buffer is
+    # Computed values become plain Python now (cheap, and no device buffer is
     # kept alive); values still being computed stay as they are, since reading
     # them would wait for the step: the driver's drain converts them later.
-    clean = {k: (_scalar(v) if _is_ready(v) else v) for k, v in metrics.items()}
+    clean = {k: (_plain(v) if _is_ready(v) else v) for k, v in metrics.items()}
     stall = 0.0
+    kind = None
     if checkpoint is not None:
-        clean = {k: _scalar(v) for k, v in clean.items()}
-        arrays, states = split_data_iterators(checkpoint)
-        meta = {"step": step, "metrics": clean, "data_states": _gather_states(s, step, states),
-                "world_size": s.ctx.world_size}
-        stall = s.writer.save(step, arrays, meta)
+        clean = {k: _plain(v) for k, v in clean.items()}
+        score = s.info.get("score_attribute")
+        if score is not None and not isinstance(clean.get(score), int | float):
+            raise fail(f"metrics[{score!r}]", clean.get(score),
+                       "a number reported with every checkpoint (CheckpointConfig.checkpoint_score_attribute)")
+        if isinstance(checkpoint, Checkpoint):
+            try:
+                stall = write_pending(s.checkpoint_dir, step, s.ctx.attempt, checkpoint.path)
+            except FileNotFoundError:
+                raise fail("report(checkpoint=...)", checkpoint,
+                           "Checkpoint.from_directory(d) of an existing directory") from None
+            kind = "directory"
+        else:
+            arrays, states = split_data_iterators(checkpoint)
+            arrays = _checkpointable(arrays)
+            meta = {"step": step, "metrics": _json_safe(clean), "data_states": _gather_states(s, step, states),
+                    "world_size": s.ctx.world_size}
+            stall = s.writer.save(step, arrays, meta)
+            kind = "arrays"
     end = time.perf_counter()
     s.sampler.record_step(max(0.0, now - s.last))
     # step_s covers the whole interval (the save included), so work = step_s - stall_s.
     record = {"step": step, "metrics": clean, "step_s": end - s.last, "stall_s": stall,
-              "first": s.first, "checkpointed": checkpoint is not None, "attempt": s.ctx.attempt}
+              "first": s.first, "checkpoint": kind, "attempt": s.ctx.attempt, "rank": s.ctx.world_rank}
     s.step, s.first = step, False
     s.last = end
     with s.lock:
@@ -175,7 +251,7 @@ def report(metrics: Mapping[str, Any], checkpoint: Any = None) -> None:
 
 
 def drain_reports() -> list[dict[str, Any]]:
-    """Reports since the last drain (the driver polls rank 0 with this)."""
+    """Reports since the last drain (the driver polls every host with this)."""
     s = _SESSION
     if s is None:
         return []
@@ -185,18 +261,19 @@ def drain_reports() -> list[dict[str, Any]]:
         # died mid-collective). The rest wait for the next drain, in order.
         ready = 0
         for r in s.reports:
-            if not all(_is_ready(v) for v in r["metrics"].values()):
+            if not _is_ready(r["metrics"]):
                 break
             ready += 1
         out, s.reports = s.reports[:ready], s.reports[ready:]
     for r in out:
-        r["metrics"] = {k: _scalar(v) for k, v in r["metrics"].items()}
+        r["metrics"] = {k: _plain(v) for k, v in r["metrics"].items()}
     return out
 
 
-def _is_ready(v: Any) -> bool:
-    is_ready = getattr(v, "is_ready", None)
-    return is_ready() if callable(is_ready) else True
+def wait_for_checkpoints() -> float:
+    """Blocks until this host's asynchronous array saves are complete; returns the seconds waited."""
+    s = _session()
+    return 0.0 if s._writer is None else s._writer.wait()
 
 
 def _takes_an_argument(fn: Callable[..., Any]) -> bool:
@@ -215,14 +292,29 @@ def run_worker(train_fn: Callable[..., Any], config: Any, ctx: TrainContext, inf
     import jax
 
     ctx = dataclasses.replace(ctx, local_device_count=jax.local_device_count())
-    _SESSION = _Session(ctx, info, shards)
+    _SESSION = session = _Session(ctx, info, shards)
+    _context._set_current(ctx)
+    phase = "step"
+    beat = info.get("heartbeat")
+    heart = None
+    if beat:  # liveness and progress for the driver's monitor (see rayslice.train.heartbeat)
+        heart = HeartbeatPublisher(beat["key"], beat["period_s"], lambda: (session.step, phase)).start()
     try:
         if config is None and not _takes_an_argument(train_fn):
-            train_fn()
+            value = train_fn()
         else:
-            train_fn(config)
-        final_wait = _SESSION.writer.wait()  # the last async save must be complete before success
+            value = train_fn(config)
+        phase = "finishing"  # the final checkpoint wait is not a step: not timed by step_timeout_s
+        final_wait = wait_for_checkpoints()  # the last async save must be complete before success
     finally:
+        if heart is not None:
+            heart.stop()
+            phase = "done"  # stopping on purpose: the driver must not take the silence for a loss
+            heart.beat()
         _SESSION.sampler.stop()
-        _SESSION.writer.close()
-    return {"steps": _SESSION.step, "final_wait_s": final_wait}
+        if _SESSION._writer is not None:
+            _SESSION._writer.close()
+        _context._set_current(None)
+    if ctx.world_rank != 0:
+        value = None  # Ray's Result.return_value is rank 0's
+    return {"steps": _SESSION.step, "final_wait_s": final_wait, "return_value": value}

@@ -1,0 +1,267 @@
+"""Failure detection inside the gang: heartbeats and a step-progress deadline.
+
+Ray declares a node dead only after its health checks fail (about 15-30 s
+with Ray's production settings), and a host whose collective is stuck never
+dies at all. So each host process of a training attempt runs a
+:class:`HeartbeatPublisher`: a daemon thread that writes a small record
+(a sequence number, the last completed step, a phase) to Ray's internal
+key-value store (held by the GCS) every ``period_s``. The driver reads the
+records with :func:`read_beats` and feeds them to a :class:`HeartbeatMonitor`,
+pure bookkeeping on the driver's own monotonic clock (no clock is ever
+compared across machines: only *when the driver saw a record change*), which
+says:
+
+- **lost**: a host's record stopped changing for ``heartbeat_timeout_s``
+  (its process, or its VM, is gone; Ray may still list the node as alive);
+- **hung**: every host is alive but no step completed on some host for
+  ``step_timeout_s`` (a stuck collective, a wedged device). The first step of
+  an attempt (compile, restore) and the final checkpoint wait are not timed.
+
+Example:
+    >>> now = [0.0]
+    >>> m = HeartbeatMonitor(world_size=2, heartbeat_timeout_s=1.0, step_timeout_s=None, clock=lambda: now[0])
+    >>> m.observe({0: {"seq": 1, "step": 1, "phase": "step"}, 1: {"seq": 1, "step": 1, "phase": "step"}})
+    >>> now[0] = 2.0
+    >>> m.observe({0: {"seq": 2, "step": 2, "phase": "step"}, 1: {"seq": 1, "step": 1, "phase": "step"}})
+    >>> v = m.check()                     # rank 1's record has not changed for 2 s
+    >>> v.kind, v.ranks, v.silent_s
+    ('lost', (1,), 2.0)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+#: Ray internal-KV namespace of heartbeat records.
+NAMESPACE = "rayslice-heartbeat"
+#: A host gets this long (driver clock) for its first record after its attempt starts.
+FIRST_BEAT_GRACE_S = 10.0
+
+
+def heartbeat_key(run_id: str, attempt: int, rank: int) -> str:
+    """The internal-KV key of one host's heartbeat record.
+
+    Example:
+        >>> heartbeat_key("ab12", 2, 1)
+        'ab12/2/1'
+    """
+    return f"{run_id}/{attempt}/{rank}"
+
+
+def period_for(heartbeat_timeout_s: float) -> float:
+    """How often a host publishes: a quarter of the timeout, at most 0.25 s.
+
+    Example:
+        >>> period_for(1.0), period_for(0.4)
+        (0.25, 0.1)
+    """
+    return min(0.25, heartbeat_timeout_s / 4)
+
+
+class HeartbeatPublisher:
+    """A daemon thread publishing this host's liveness and progress (runs in a gang process).
+
+    Args:
+        key: Its :func:`heartbeat_key`.
+        period_s: Seconds between records.
+        progress: Returns ``(last completed step, phase)``; read at every beat.
+        put: Writes ``(key, bytes)``; default: Ray's internal KV (namespace :data:`NAMESPACE`).
+
+    A store that cannot be reached is reported once (a warning) and retried;
+    it never stops the training function.
+
+    Example:
+        >>> seen = []
+        >>> p = HeartbeatPublisher("k", 0.01, lambda: (3, "step"), put=lambda k, v: seen.append(v)).start()
+        >>> p.stop()
+        >>> json.loads(seen[0])["step"]
+        3
+    """
+
+    def __init__(self, key: str, period_s: float, progress: Callable[[], tuple[int, str]],
+                 put: Callable[[str, bytes], None] | None = None) -> None:
+        self.key = key
+        self.period_s = period_s
+        self._progress = progress
+        self._put = put or _kv_put
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._seq = 0
+        self._warned = False
+
+    def start(self) -> HeartbeatPublisher:
+        self.beat()  # the first record before the training function starts
+        self._thread = threading.Thread(target=self._run, name="rayslice-heartbeat", daemon=True)
+        self._thread.start()
+        return self
+
+    def beat(self) -> None:
+        """Publishes one record now."""
+        self._seq += 1
+        step, phase = self._progress()
+        try:
+            self._put(self.key, json.dumps({"seq": self._seq, "step": step, "phase": phase}).encode())
+        except Exception as e:  # the store is unreachable: say so once, keep training
+            if not self._warned:
+                self._warned = True
+                logger.warning("heartbeat %s cannot be published (%s); the driver will treat this host as lost "
+                               "if it stays unreachable", self.key, e)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            self.beat()
+
+    def stop(self) -> None:
+        """Stops the thread (idempotent); the last record stays for the driver to read."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+
+
+def _kv_put(key: str, value: bytes) -> None:
+    from ray.experimental import internal_kv
+
+    internal_kv._internal_kv_put(key, value, overwrite=True, namespace=NAMESPACE)
+
+
+def read_beats(keys: Sequence[str]) -> dict[int, dict[str, Any]]:
+    """Reads the records of ``keys`` (rank order) from Ray's internal KV; missing ones are left out."""
+    from ray.experimental import internal_kv
+
+    out = {}
+    for rank, key in enumerate(keys):
+        raw = internal_kv._internal_kv_get(key, namespace=NAMESPACE)
+        if raw:
+            out[rank] = json.loads(raw)
+    return out
+
+
+def delete_beats(keys: Sequence[str]) -> None:
+    """Removes heartbeat records (the driver does, when an attempt ends)."""
+    from ray.experimental import internal_kv
+
+    for key in keys:
+        try:
+            internal_kv._internal_kv_del(key, namespace=NAMESPACE)
+        except Exception:  # the cluster is gone: nothing to clean
+            return
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """What the monitor found wrong.
+
+    Attributes:
+        kind: ``"lost"`` (heartbeats stopped) or ``"hung"`` (no step progress).
+        ranks: The hosts concerned, in rank order.
+        silent_s: For "lost", how long the first of them has been silent; for
+            "hung", how long no step has completed.
+        step: For "hung", the step the stuck hosts last completed.
+    """
+
+    kind: str
+    ranks: tuple[int, ...]
+    silent_s: float
+    step: int | None = None
+
+    def message(self, heartbeat_timeout_s: float, step_timeout_s: float | None,
+                where: Callable[[int], str] = lambda r: f"rank {r}") -> str:
+        hosts = ", ".join(where(r) for r in self.ranks)
+        if self.kind == "lost":
+            return (f"{hosts} stopped sending heartbeats {self.silent_s:.1f} s ago (heartbeat_timeout_s="
+                    f"{heartbeat_timeout_s:g}): the host process or its machine is gone")
+        return (f"no step completed for {self.silent_s:.1f} s on {hosts} after step {self.step} "
+                f"(step_timeout_s={step_timeout_s:g}): the host is alive but hung (a stuck collective?)")
+
+
+class HeartbeatMonitor:
+    """Driver-side bookkeeping of heartbeat records (pure: clock injected).
+
+    Args:
+        world_size: Hosts in the attempt.
+        heartbeat_timeout_s: Silence after which a host is lost.
+        step_timeout_s: Time without a completed step after which the gang is
+            hung (None: not checked).
+        start_step: The step the attempt resumes from (its first step is not timed).
+        clock: The driver's monotonic clock.
+    """
+
+    def __init__(self, world_size: int, heartbeat_timeout_s: float, step_timeout_s: float | None,
+                 start_step: int = 0, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self.world_size = world_size
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.step_timeout_s = step_timeout_s
+        self.start_step = start_step
+        now = clock()
+        self._started = now
+        self._seq: dict[int, int] = {}
+        self._seen: dict[int, float] = {}  # rank -> driver time its record last changed
+        self._step: dict[int, int] = {}
+        self._phase: dict[int, str] = {}
+        self._progress_at: dict[int, float] = {}  # rank -> driver time its step last advanced
+        self.finished: set[int] = set()
+        self.last_seen: dict[int, float] = {}
+
+    def observe(self, beats: Mapping[int, Mapping[str, Any]]) -> None:
+        """Takes the records just read (rank -> record)."""
+        now = self._clock()
+        for rank, b in beats.items():
+            if self._seq.get(rank) != b["seq"]:
+                self._seq[rank] = b["seq"]
+                self._seen[rank] = now
+            step = int(b.get("step", 0))
+            if step != self._step.get(rank):
+                self._step[rank] = step
+                self._progress_at[rank] = now
+            self._phase[rank] = str(b.get("phase", "step"))
+
+    def finish(self, rank: int) -> None:
+        """This host's training function returned: it stops beating on purpose."""
+        self.finished.add(rank)
+
+    def check(self) -> Verdict | None:
+        """A :class:`Verdict` if a host is lost or the gang is hung, else None."""
+        now = self._clock()
+        lost = []
+        for rank in range(self.world_size):
+            if rank in self.finished or self._phase.get(rank) == "done":
+                continue
+            seen = self._seen.get(rank)
+            limit = self.heartbeat_timeout_s if seen is not None else max(FIRST_BEAT_GRACE_S,
+                                                                         self.heartbeat_timeout_s)
+            since = now - (self._started if seen is None else seen)
+            if since > limit:
+                lost.append((rank, since))
+        if lost:
+            return Verdict("lost", tuple(r for r, _ in lost), max(s for _, s in lost))
+        if self.step_timeout_s is None:
+            return None
+        stuck = []
+        for rank in range(self.world_size):
+            step = self._step.get(rank)
+            # Not timed: finished hosts, the first step of the attempt, the final checkpoint wait.
+            if rank in self.finished or step is None or step <= self.start_step or self._phase.get(rank) != "step":
+                continue
+            since = now - self._progress_at[rank]
+            if since > self.step_timeout_s:
+                stuck.append((rank, since, step))
+        if not stuck:
+            return None
+        return Verdict("hung", tuple(r for r, _, _ in stuck), max(s for _, s, _ in stuck), min(p for _, _, p in stuck))
+
+    def silent_s(self, rank: int) -> float:
+        """Seconds since ``rank``'s record last changed (since the start if never)."""
+        return self._clock() - self._seen.get(rank, self._started)
+
+
+__all__ = ["HeartbeatMonitor", "HeartbeatPublisher", "Verdict", "delete_beats", "heartbeat_key", "read_beats"]
