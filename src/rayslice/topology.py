@@ -147,6 +147,18 @@ _CATALOG: dict[str, Generation] = {
     )
 }
 
+# Shapes Ray 2.60's VALID_TPU_TOPOLOGY accepts that Google's tables do not list,
+# with the reason they are refused here.
+_RAY_ONLY_SHAPES: dict[tuple[str, str], str] = {
+    (g, "2x8"): f"Ray's table lists {g} 2x8, but Google's {g} shapes do not: a 16-chip slice is 4x4"
+    for g in ("v5e", "v6e")
+}
+# Generations Ray knows that rayslice does not run on, and why.
+_LEGACY = {
+    "v2": "v2 is a legacy Cloud TPU generation (TPU VMs only, no GKE node pools)",
+    "v3": "v3 is a legacy Cloud TPU generation (TPU VMs only, no GKE node pools)",
+}
+
 # Every spelling that names a generation, lowercased. Built from the catalog so
 # a new column value is accepted automatically; the extras are product names
 # and legacy labels ("tpu-v5-lite-device" is GKE's old single-host v5e label).
@@ -184,6 +196,9 @@ def generation(name: str) -> Generation:
     key = name.strip().lower() if isinstance(name, str) else ""
     # A pod type ("v6e-16", "tpu7x-16") names its generation plus a size.
     key = re.sub(r"-\d+$", "", key)
+    legacy = _LEGACY.get(key.removeprefix("tpu-"))
+    if legacy:
+        raise InvalidArgument(f"{name!r}: {legacy}; rayslice supports {', '.join(GENERATIONS)}")
     if key not in _ALIASES:
         raise InvalidArgument(
             f"{name!r} is not a known TPU generation; valid: {', '.join(GENERATIONS)}"
@@ -231,10 +246,13 @@ def _check_shape(gen: Generation, value: object, shape: tuple[int, ...] | None) 
         raise _bad_topology(value, gen)
     if len(shape) != gen.ndim:
         kind = "3D shapes (AxBxC)" if gen.ndim == 3 else "2D shapes (AxB)"
-        raise _bad_topology(value, gen, f": {gen.name} takes {kind}")
+        same = [t for t in gen.topologies if math.prod(_dims(t)) == math.prod(shape)]
+        hint = f"; the {math.prod(shape)}-chip shape is {' or '.join(same)}" if same else ""
+        raise _bad_topology(value, gen, f": {gen.name} takes {kind}{hint}")
     name = _shape_str(shape)
     if name not in gen.topologies:
-        raise _bad_topology(value, gen)
+        why = _RAY_ONLY_SHAPES.get((gen.name, name), "")
+        raise _bad_topology(value, gen, f" ({why})" if why else "")
     return name
 
 
