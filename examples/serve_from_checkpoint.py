@@ -69,7 +69,8 @@ def train_loop(config):
 
     @jax.jit
     def step(state, batch):
-        loss, g = jax.value_and_grad(lambda p: jnp.mean((model.apply(p, batch["x"]) - batch["y"]) ** 2))(state["params"])
+        loss_of = lambda p: jnp.mean((model.apply(p, batch["x"]) - batch["y"]) ** 2)
+        loss, g = jax.value_and_grad(loss_of)(state["params"])
         updates, opt = tx.update(g, state["opt"], state["params"])
         return {"params": optax.apply_updates(state["params"], updates), "opt": opt}, loss
 
@@ -118,9 +119,10 @@ def main() -> None:
 
         port = slice_serve.start_http()
         deployment = slice_serve.deployment(accelerator_type="TPU-V4",
-                                            accelerator_config={"type": "tpu", "topology": "2x2x2"},
+                                            accelerator_config={"kind": "tpu", "topology": "2x2x2"},
                                             input_spec={"x": ((4,), "float32")})(Model)
-        serve.run(deployment.bind(result.checkpoint.path, result.checkpoint.step), name="model", route_prefix="/model")
+        slice_serve.run(deployment.bind(result.checkpoint.path, result.checkpoint.step), name="model",
+                        route_prefix="/model")  # serve.run that names the reason when a slice is missing
         x = np.array([[0.1, 0.2, 0.3, 0.4], [1.0, 0.0, -1.0, 0.5]], np.float32)
         r = requests.post(f"http://127.0.0.1:{port}/model", json={"inputs": {"x": x.tolist()}}, timeout=30)
         print("HTTP", r.status_code, r.json(), "expected about", (x @ W).tolist())

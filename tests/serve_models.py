@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from rayslice import serve as slice_serve
-
 WEIGHTS = np.arange(1, 9, dtype=np.float32)
 
 
@@ -17,7 +15,8 @@ class Dot:
 
     def setup(self, ctx) -> None:
         import jax
-        from jax.sharding import NamedSharding, PartitionSpec as P
+        from jax.sharding import NamedSharding
+        from jax.sharding import PartitionSpec as P
 
         self.mesh = jax.make_mesh((jax.device_count(),), ("data",))
         self.rows = NamedSharding(self.mesh, P("data"))
@@ -44,6 +43,35 @@ class Picky(Dot):
     def __call__(self, batch):
         if (batch["x"] < 0).any():
             raise ValueError("negative inputs are not supported")
+        return super().__call__(batch)
+
+
+GATE = 123.0  # a request whose first value is GATE waits at the gate
+
+
+class Gated(Dot):
+    """Requests starting with ``GATE`` wait, on every host, until ``<gate_dir>/open`` exists.
+
+    Each host first writes ``<gate_dir>/entered-<rank>``: a test knows the
+    request is in flight on every host, kills one, then opens the gate; the
+    surviving host then runs the collective with a dead peer.
+    """
+
+    def __init__(self, gate_dir: str, scale: float = 1.0) -> None:
+        super().__init__(scale)
+        self.gate_dir = gate_dir
+
+    def __call__(self, batch):
+        import os
+        import time
+
+        import jax
+
+        if (batch["x"][:, 0] == GATE).any():
+            open(os.path.join(self.gate_dir, f"entered-{jax.process_index()}"), "w").close()
+            deadline = time.monotonic() + 120
+            while not os.path.exists(os.path.join(self.gate_dir, "open")) and time.monotonic() < deadline:
+                time.sleep(0.01)
         return super().__call__(batch)
 
 

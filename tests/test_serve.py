@@ -83,30 +83,86 @@ def test_http_answer_is_computed_across_both_hosts(serving):
 
 @pytest.mark.parametrize("body, status, message", [
     (b"{not json", 400, "malformed JSON"),
-    (b"[1, 2]", 400, "JSON object with \\\"inputs\\\""),
+    (b"[1, 2]", 400, 'JSON object with "inputs"'),
     (b'{"inputs": {"x": [[1, 2]]}}', 422, "must have shape (rows, 8)"),
     (b'{"inputs": {"x": [["a", "b", "c", "d", "e", "f", "g", "h"]]}}', 422, "must be numeric"),
     (b'{"inputs": {"x": [[1,2,3,4,5,6,7,8], [1,2]]}}', 422, "rectangular"),
     (b'{"inputs": {"y": [[1,2,3,4,5,6,7,8]]}}', 422, "missing ['x'], unexpected ['y']"),
     (b'{"inputs": {"x": []}}', 422, "shape"),
+    # Not strict JSON, or numbers no float32 can hold: a JSON 4xx, not a plain-text 500.
+    (b'{"inputs": {"x": [[NaN, 1, 2, 3, 4, 5, 6, 7]]}}', 400, "NaN is not a JSON number"),
+    (b'{"inputs": {"x": [[Infinity, 1, 2, 3, 4, 5, 6, 7]]}}', 400, "Infinity is not a JSON number"),
+    (b'{"inputs": {"x": [[1e999, 1, 2, 3, 4, 5, 6, 7]]}}', 422, "1e999 overflows"),
+    (b'{"inputs": {"x": [[1e39, 1, 2, 3, 4, 5, 6, 7]]}}', 422, "outside the float32 range"),
+    (b'{"inputs": {"x": [[true, 1, 2, 3, 4, 5, 6, 7]]}}', 422, "got booleans"),
+    (b'{"inputs": ' + b"[" * 2000 + b"]" * 2000 + b"}", 400, "nested too deeply"),
+    (b'{"inputs": {"x": [[1,2,3,4,5,6,7,8]]}, "extra": 1}', 400, "unexpected keys"),
 ])
 def test_bad_requests_are_4xx_and_the_replica_stays_healthy(serving, body, status, message):
     from ray import serve
 
     if "dot-fuzz" not in serve.status().applications:
-        serve.run(_dot(max_body_bytes=4096, num_replicas=2).bind(), name="dot-fuzz", route_prefix="/fuzz")
+        serve.run(_fuzz_dep().bind(), name="dot-fuzz", route_prefix="/fuzz")
     r = _post(serving, "/fuzz", data=body)
     assert r.status_code == status, r.text
-    assert message in r.text
+    assert message in r.json()["error"]  # always a JSON answer
     ok = _post(serving, "/fuzz", {"inputs": {"x": [[1] * 8]}})
     assert ok.status_code == 200 and ok.json()["outputs"]["y"] == [36.0]
+
+
+def _fuzz_dep():
+    return _dot(max_body_bytes=4096, num_replicas=2, body_timeout_s=1.0)
+
+
+def _raw_http(port: int, head: bytes, body: bytes, timeout: float = 30) -> tuple[int, bytes]:
+    """Sends raw bytes (e.g. a body shorter than its Content-Length); returns (status, body) of the answer."""
+    import socket
+
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+        sock.sendall(head + b"\r\n\r\n" + body)
+        data = b""
+        while b"\r\n\r\n" not in data or len(data.partition(b"\r\n\r\n")[2]) < _content_length(data):
+            chunk = sock.recv(65536)  # a socket timeout fails the test: an answer must come
+            if not chunk:
+                break
+            data += chunk
+    status = int(data.split(b" ", 2)[1])
+    return status, data.partition(b"\r\n\r\n")[2]
+
+
+def _content_length(data: bytes) -> int:
+    for line in data.partition(b"\r\n\r\n")[0].split(b"\r\n"):
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            return int(value)
+    return 0
+
+
+def test_short_body_bad_length_and_wrong_method_get_json_answers(serving):
+    import json
+
+    from ray import serve
+
+    if "dot-fuzz" not in serve.status().applications:
+        serve.run(_fuzz_dep().bind(), name="dot-fuzz", route_prefix="/fuzz")
+    port = serving["port"]
+    # A body shorter than its Content-Length: answered once body_timeout_s (1 s) passes, never a hang.
+    head = b"POST /fuzz HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\nContent-Length: 100"
+    status, body = _raw_http(port, head, b'{"inputs": ')
+    assert status == 408, body
+    assert "did not arrive within body_timeout_s=1" in json.loads(body)["error"]
+    import requests
+
+    r = requests.get(_url(serving, "/fuzz"), timeout=30)
+    assert r.status_code == 405 and "POST" in r.json()["error"] and r.headers["allow"] == "POST"
+    assert _post(serving, "/fuzz", {"inputs": {"x": [[1] * 8]}}).status_code == 200
 
 
 def test_oversized_body_and_random_fuzz_keep_two_replicas_on_two_slices(serving):
     from ray import serve
 
     if "dot-fuzz" not in serve.status().applications:
-        serve.run(_dot(max_body_bytes=4096, num_replicas=2).bind(), name="dot-fuzz", route_prefix="/fuzz")
+        serve.run(_fuzz_dep().bind(), name="dot-fuzz", route_prefix="/fuzz")
     assert _replica_slices("dot-fuzz", "Dot") == set(serving["slices"])  # one whole slice per replica
     r = _post(serving, "/fuzz", data=b'{"inputs": {"x": [' + b"[1,2,3,4,5,6,7,8]," * 400 + b"[1,2,3,4,5,6,7,8]]}}")
     assert r.status_code == 413 and "exceeds the limit of 4096" in r.text
@@ -123,14 +179,22 @@ def test_oversized_body_and_random_fuzz_keep_two_replicas_on_two_slices(serving)
 def test_impossible_topology_fails_with_the_reason(serving):
     from ray import serve
 
-    dep = slice_serve.deployment(accelerator_type="TPU-V6E", accelerator_config={"type": "tpu", "topology": "8x8"},
+    dep = slice_serve.deployment(accelerator_type="TPU-V6E", accelerator_config={"kind": "tpu", "topology": "8x8"},
                                  input_spec=SPEC, reservation_timeout_s=5, max_constructor_retry_count=1)(Dot)
     t0 = time.monotonic()
-    with pytest.raises(RuntimeError):
-        serve.run(dep.bind(), name="too-big", route_prefix="/too-big")
+    # rayslice's run() is serve.run whose exception carries the per-slice reason on one line.
+    with pytest.raises(slice_serve.DeploymentFailed) as info:
+        slice_serve.run(dep.bind(), name="too-big", route_prefix="/too-big")
     assert time.monotonic() - t0 < 60
+    text = str(info.value)
+    assert isinstance(info.value, RuntimeError) and "\n" not in text
+    assert "no 1 slice(s) of v6e 8x8" in text and "serve-0: other shape" in text, text
+    # Serve's own deployment message ends with the same one-line reason (Serve prefixes its traceback).
     message = serve.status().applications["too-big"].deployments["Dot"].message
-    assert "no 1 slice(s) of v6e 8x8" in message and "serve-0: other shape" in message
+    last = message.strip().splitlines()[-1]
+    assert last.startswith("rayslice.errors.NoMatchingSlice: deployment Dot: no 1 slice(s) of v6e 8x8"), message
+    assert "serve-0: other shape" in last
+    assert slice_serve.failure_reason("too-big") in text
     serve.delete("too-big")
 
 
@@ -157,6 +221,51 @@ def test_preempted_host_replica_is_replaced_on_another_slice(serving):
     assert victim not in after and len(after) == 1
     assert r.json()["outputs"]["y"] == [36.0]
     serve.delete("chaos")
+
+
+def test_host_lost_during_a_request_is_503_and_the_replica_turns_unhealthy(serving, tmp_path):
+    """A real kill of a host while a request is inside the model: 503 (JSON), not "the model raised" 500."""
+    import concurrent.futures as cf
+
+    from ray import serve
+
+    sim = serving["sim"]
+    victim = sim.add_slice(SliceSpec("v5e", "2x4", chips_per_host=4, name="lost-0"))  # the only v5e slice
+    try:
+        dep = slice_serve.deployment(accelerator_type="v5e", accelerator_config={"kind": "tpu", "topology": "2x4",
+                                                                                 "chips_per_vm": 4},
+                                     input_spec=SPEC, request_timeout_s=30, reservation_timeout_s=3,
+                                     health_check_period_s=1.0,
+                                     # The replica itself stays on the head, so the kill hits only the gang.
+                                     ray_actor_options={"num_cpus": 0, "resources": {"node:__internal_head__": 0.01}},
+                                     )(serve_models.Gated)
+        serve.run(dep.bind(str(tmp_path)), name="lost", route_prefix="/lost")
+        assert _post(serving, "/lost", {"inputs": {"x": [[1] * 8]}}).json()["outputs"]["y"] == [36.0]
+        gated = [[serve_models.GATE] + [0] * 7]
+        with cf.ThreadPoolExecutor(1) as pool:
+            future = pool.submit(_post, serving, "/lost", {"inputs": {"x": gated}}, None, 90)
+            deadline = time.monotonic() + 60
+            while not all((tmp_path / f"entered-{r}").exists() for r in (0, 1)):  # in flight on both hosts
+                assert time.monotonic() < deadline and not future.done(), "the gated request never reached the hosts"
+                time.sleep(0.05)
+            sim.preempt_host(victim, 1)
+            (tmp_path / "open").touch()  # host 0 now runs the step's collectives with a dead peer
+            r = future.result()
+        assert r.status_code == 503, r.text
+        answer = r.json()
+        assert answer["outcome"] == "preempted" and "(rank 1) was lost" in answer["error"], answer
+        assert "the model raised" not in answer["error"]
+        # The replica now reports unhealthy, so Serve takes it down to replace it.
+        deadline = time.monotonic() + 60
+        status = "HEALTHY"
+        while status == "HEALTHY" and time.monotonic() < deadline:
+            time.sleep(0.2)
+            status = str(serve.status().applications["lost"].deployments["Gated"].status).rsplit(".", 1)[-1]
+        assert status != "HEALTHY", status
+    finally:
+        serve.delete("lost")
+        if any(h.alive for h in sim.slices[victim].hosts):
+            sim.preempt_slice(victim)
 
 
 def test_composes_behind_a_preprocessing_deployment(serving):
@@ -287,3 +396,33 @@ def test_autoscaling_takes_and_releases_whole_slices(serving):
     while time.monotonic() < deadline and _replica_slices("auto", "Dot"):
         time.sleep(0.5)
     assert _replica_slices("auto", "Dot") == set()  # deleting the app released the last one
+
+
+def test_replica_core_runs_on_a_held_reservation_and_keeps_it(sim):
+    """The replica's core takes a reservation the caller holds (Ray's tpu_slice=): it neither
+    reserves nor releases it; every step ends as a RunOutcome value."""
+    import asyncio
+
+    from rayslice.errors import InvalidArgument, Outcome
+    from rayslice.serve.replica import ReplicaCore, http_status
+
+    cfg = slice_serve.SliceServeConfig.from_accelerator_config(
+        "TPU-V4", {"kind": "tpu", "topology": "2x2x2"}, input_spec=SPEC, max_batch_size=4)
+    spg = rayslice.slice_placement_group(cfg.request, timeout_s=60, progress=False)
+    try:
+        with pytest.raises(InvalidArgument, match="tpu_slice"):
+            ReplicaCore(serve_models.Picky, slice_serve.SliceServeConfig("v6e", "4x4"), (), {}, tpu_slice=spg)
+        core = ReplicaCore(serve_models.Picky, cfg, (), {}, tpu_slice=spg)
+        try:
+            assert core.slice_name == spg.slices[0].name
+            good = asyncio.run(core.infer_many([core.validate({"x": [[1] * 8]})]))
+            assert good[0]["y"].tolist() == [36.0] and core.last_outcome.ok and core.last_outcome.elapsed_s > 0
+            bad = asyncio.run(core.infer_many([core.validate({"x": [[-1] * 8]})]))
+            assert core.last_outcome.outcome is Outcome.FAILED and http_status(core.last_outcome) == 500
+            assert "negative inputs" in str(bad[0]) and core.broken is None  # the model's error, not the slice's
+            core.check_health()
+        finally:
+            core.close()
+        assert not spg.released  # held by the caller: still reserved after the core closed
+    finally:
+        spg.release()

@@ -7,7 +7,10 @@ Example:
 """
 
 from rayslice.serve.builder import app, build
-from rayslice.serve.deployment import SliceServeConfig, deployment, start_http
-from rayslice.serve.schema import InputSpec, RequestError
+from rayslice.serve.config import SliceServeConfig, parse_accelerator_config
+from rayslice.serve.deployment import DeploymentFailed, deployment, failure_reason, run, start_http
+from rayslice.serve.replica import http_status
+from rayslice.serve.schema import ColumnSpec, InputSpec, RequestError
 
-__all__ = ["InputSpec", "RequestError", "SliceServeConfig", "app", "build", "deployment", "start_http"]
+__all__ = ["ColumnSpec", "DeploymentFailed", "InputSpec", "RequestError", "SliceServeConfig", "app", "build",
+           "deployment", "failure_reason", "http_status", "parse_accelerator_config", "run", "start_http"]

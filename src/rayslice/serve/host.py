@@ -47,9 +47,9 @@ def _gather(value: Any) -> Any:
 
 def infer(inputs: dict[str, np.ndarray], rows: int) -> dict[str, np.ndarray] | None:
     """Runs the model on one (padded) batch; host 0 returns the first ``rows`` rows."""
-    import jax
-
     import time
+
+    import jax
 
     if _MODEL is None:
         raise RuntimeError("the model was not set up on this host")
