@@ -1,5 +1,9 @@
 """Serving on slices: Ray Serve deployments whose replicas each own one whole slice.
 
+LLM serving behind an OpenAI-compatible API is in :mod:`rayslice.serve.llm`
+(``from rayslice.serve import llm``); it is not imported here, so plain slice
+deployments do not load the model code.
+
 Example:
     >>> from rayslice import serve as slice_serve
     >>> slice_serve.SliceServeConfig("TPU-V4", "2x2x2").topology_info.num_hosts
