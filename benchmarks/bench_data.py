@@ -1,35 +1,48 @@
-"""Data feeding benchmark: rows/s and GB/s into device-sharded global arrays.
+"""Data feeding benchmark: the feeder against the true limits, measured in the same run.
 
-Same run, same data, same sharding (1-D over 4 CPU devices), batch 1024 rows:
+CPU mode (``python benchmarks/bench_data.py [rows=N] [repeats=N]``; what ``make bench`` runs):
+same Dataset (default 1M rows x 128 float32 = 0.5 GB, materialized in the
+object store), same sharding (1-D over 4 CPU devices), batch 1024 rows, each
+consumer blocking on every batch:
 
-* limit    - numpy batches already in memory + ``jax.device_put`` to the sharding;
-* limit2   - the same with the next batch's ``device_put`` issued before the
-             current one is waited on (what any prefetching feeder can reach);
-* rayslice - ``rayslice.data.iter_jax_batches`` over the Ray Dataset;
-* ray      - Ray 2.60's ``Dataset.iter_jax_batches`` over the same Dataset;
-* naive    - ``Dataset.iter_batches`` + ``jax.device_put`` in a loop.
+* limit       - ``jax.device_put`` of the *same* 64-byte aligned views of the
+                object-store blocks the feeder reads (JAX aliases them on CPU:
+                no copy); the true limit;
+* limit_copy  - ``device_put`` of 16-byte aligned numpy slices (JAX copies those);
+* limit_bulk  - one ``device_put`` of 64 batches at a time (per-call cost amortized);
+* limit2      - ``limit`` with the next ``device_put`` issued one ahead;
+* rayslice    - ``rayslice.data.iter_jax_batches`` (default ``pipeline="auto"``: sync on CPU);
+* rayslice_thread - the same with ``pipeline="thread"`` (the prefetch thread);
+* ray         - Ray 2.60's ``Dataset.iter_jax_batches``;
+* naive       - ``Dataset.iter_batches`` + ``jax.device_put``;
+* step_*      - a consumer running a real jitted step per batch: on resident
+                data (the limit), fed by rayslice (auto / thread), fed by Ray;
+* rebatch     - 8k-row blocks into 64k-row batches (rows written into staging).
 
-The Dataset (default 1M rows x 128 float32 = 0.5 GB) is materialized in the
-object store first, so every method reads the same blocks. Each consumer
-blocks on every batch, as a training step would. Runs in its own process
-(XLA needs its device-count flag before JAX starts).
+Every method runs ``repeats`` times (default 5), interleaved; each ratio is
+computed per round and reported as median, min and max.
+
+GPU mode (``python benchmarks/bench_data.py --gpu [--dry-run]``): see
+:func:`run_gpu`. Runs in its own process (XLA needs its flags before JAX starts).
 """
 
 from __future__ import annotations
 
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
 GOAL_VS_LIMIT = 0.9
-GOAL_VS_RAY = 1.8
+GOAL_VS_RAY = 2.0
+GOAL_STEP = 0.98  # step rate fed by the feeder / with data already resident
+GPU_GOAL_VS_PINNED = 0.8
+GPU_GOAL_VS_RAY = 2.5
 
 
 def _consume(batches: Iterable[Any]) -> int:
-    import jax
-
     rows = 0
     for b in batches:
         x = b["data"] if isinstance(b, dict) else b
@@ -49,16 +62,66 @@ def _ahead(it: Iterable[Any]) -> Iterable[Any]:
         yield prev
 
 
-def _time(fn: Callable[[], Iterable[Any]], expect_rows: int) -> float:
+def _bulk(batches: list[Any], sharding: Any, group: int = 64) -> Iterable[Any]:
+    import jax
+
+    for i in range(0, len(batches), group):
+        part = batches[i:i + group]
+        yield from jax.device_put(part, [sharding] * len(part))
+
+
+def _time(fn: Callable[[], Iterable[Any]], expect_rows: int, consume: Callable[[Iterable[Any]], int] = _consume
+          ) -> float:
     t0 = time.perf_counter()
-    rows = _consume(fn())
+    rows = consume(fn())
     dt = time.perf_counter() - t0
     assert rows == expect_rows, (rows, expect_rows)
     return dt
 
 
-def run(rows: int = 1_000_000, width: int = 128, batch_size: int = 1024, repeats: int = 3,
-        num_devices: int = 4) -> dict[str, Any]:
+def _stepper(width: int, sharding: Any) -> Callable[[Iterable[Any]], int]:
+    """A consumer running a training-like jitted step (two matmuls per row block) on every batch.
+
+    The step is per-shard (no collective: XLA's CPU collectives can stall with many
+    executions in flight on 2 cores) and, like a training loop, waits for step i-1
+    when it has dispatched step i.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    w = jax.device_put(jnp.full((width, width), 0.01, jnp.float32))
+
+    @jax.jit
+    def step(x: Any) -> Any:
+        return (jnp.tanh(x @ w) @ w).sum(axis=1)
+
+    def consume(batches: Iterable[Any]) -> int:
+        prev, rows = None, 0
+        for b in batches:
+            x = b["data"] if isinstance(b, dict) else b
+            out = step(x)
+            if prev is not None:
+                prev.block_until_ready()
+            prev = out
+            rows += x.shape[0]
+        if prev is not None:
+            prev.block_until_ready()
+        return rows
+
+    return consume
+
+
+def _spread(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def _blocks_numpy(ds: Any) -> list[Any]:
+    """The Dataset's blocks as numpy views of the object store, in order (as the feeder reads them)."""
+    return [b["data"] for b in ds.iter_batches(batch_size=None, batch_format="numpy")]
+
+
+def run(rows: int = 1_000_000, width: int = 128, batch_size: int = 1024, repeats: int = 5,
+        num_devices: int = 4, rebatch_block: int = 8192, rebatch_batch: int = 65536) -> dict[str, Any]:
     os.environ["JAX_PLATFORMS"] = "cpu"
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={num_devices}"
     import numpy as np
@@ -68,55 +131,302 @@ def run(rows: int = 1_000_000, width: int = 128, batch_size: int = 1024, repeats
     nbytes = n * width * 4
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     # Ray first: it forks helper processes, which must not happen after JAX starts threads.
-    ray.init(num_cpus=2, object_store_memory=max(2 * nbytes, 200 * 2**20), include_dashboard=False,
+    ray.init(num_cpus=2, object_store_memory=max(3 * nbytes, 300 * 2**20), include_dashboard=False,
              log_to_driver=False)
     import jax
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
     from rayslice.data import iter_jax_batches
+    from rayslice.data._staging import is_aligned
 
     assert jax.device_count() == num_devices
     sharding = NamedSharding(Mesh(np.array(jax.devices()), ("data",)), PartitionSpec("data"))
     arr = np.random.default_rng(0).standard_normal((n, width), dtype=np.float32)
+    rb_rows = (min(n, 4 * rebatch_batch) // rebatch_batch) * rebatch_batch
     try:
         ds = ray.data.from_numpy(arr).materialize()
-        in_memory = [arr[i:i + batch_size] for i in range(0, n, batch_size)]
-        methods: dict[str, Callable[[], Iterable[Any]]] = {
-            "limit": lambda: (jax.device_put(b, sharding) for b in in_memory),
-            "limit2": lambda: _ahead((jax.device_put(b, sharding) for b in in_memory)),
-            "rayslice": lambda: iter_jax_batches(ds, batch_size=batch_size, sharding=sharding, ragged="drop"),
-            "ray": lambda: ds.iter_jax_batches(batch_size=batch_size, drop_last=True),
-            "naive": lambda: (jax.device_put(b["data"], sharding)
-                              for b in ds.iter_batches(batch_size=batch_size, batch_format="numpy",
-                                                       drop_last=True)),
+        ds_small = ray.data.from_numpy(arr[:rb_rows]).repartition(rb_rows // rebatch_block).materialize() \
+            if rb_rows else None
+        # The limit reads the same object-store memory as the feeder: views of its blocks.
+        store = _blocks_numpy(ds)
+        views = [v for blk in store for v in (blk[i:i + batch_size] for i in range(0, len(blk), batch_size))
+                 if len(v) == batch_size][: n // batch_size]
+        copies = [arr[i:i + batch_size] for i in range(0, n, batch_size)]
+        # numpy's own large allocations are 16-byte aligned: JAX copies them.
+        copies16 = copies if not is_aligned(arr) else [c.copy() for c in copies]
+        aligned_views = sum(is_aligned(v) for v in views) / len(views)
+        consume_step = _stepper(width, sharding)
+        resident = [jax.device_put(v, sharding) for v in views]
+        jax.block_until_ready(resident)
+        feed = dict(batch_size=batch_size, sharding=sharding, ragged="drop")
+        methods: dict[str, tuple[Callable[[], Iterable[Any]], Any]] = {
+            "limit": (lambda: (jax.device_put(b, sharding) for b in views), _consume),
+            "limit_copy": (lambda: (jax.device_put(b, sharding) for b in copies16), _consume),
+            "limit_bulk": (lambda: _bulk(views, sharding), _consume),
+            "limit2": (lambda: _ahead(jax.device_put(b, sharding) for b in views), _consume),
+            "rayslice": (lambda: iter_jax_batches(ds, **feed), _consume),
+            "rayslice_thread": (lambda: iter_jax_batches(ds, pipeline="thread", **feed), _consume),
+            "ray": (lambda: ds.iter_jax_batches(batch_size=batch_size, drop_last=True), _consume),
+            "naive": (lambda: (jax.device_put(b["data"], sharding)
+                               for b in ds.iter_batches(batch_size=batch_size, batch_format="numpy",
+                                                        drop_last=True)), _consume),
+            "step_resident": (lambda: iter(resident), consume_step),
+            "step_rayslice": (lambda: iter_jax_batches(ds, **feed), consume_step),
+            "step_rayslice_thread": (lambda: iter_jax_batches(ds, pipeline="thread", **feed), consume_step),
+            "step_ray": (lambda: ds.iter_jax_batches(batch_size=batch_size, drop_last=True), consume_step),
         }
+        expect = {k: n for k in methods}
+        if ds_small is not None:
+            big = [a for a in (arr[i:i + rebatch_batch] for i in range(0, rb_rows, rebatch_batch))]
+            big_aligned = [jax.numpy.asarray(b) for b in big]  # warm allocation paths
+            del big_aligned
+            methods["rebatch_limit"] = (lambda: (jax.device_put(np.concatenate(
+                [b[i:i + rebatch_block] for i in range(0, len(b), rebatch_block)]), sharding) for b in big), _consume)
+            methods["rebatch"] = (lambda: iter_jax_batches(ds_small, batch_size=rebatch_batch, sharding=sharding,
+                                                           ragged="drop"), _consume)
+            methods["rebatch_ray"] = (lambda: ds_small.iter_jax_batches(batch_size=rebatch_batch, drop_last=True),
+                                      _consume)
+            expect.update(rebatch_limit=rb_rows, rebatch=rb_rows, rebatch_ray=rb_rows)
         times: dict[str, list[float]] = {k: [] for k in methods}
-        for name, fn in methods.items():  # warm-up: compile paths, page in the store
-            _time(fn, n)
+        for name, (fn, consume) in methods.items():  # warm-up: compile paths, page in the store
+            _time(fn, expect[name], consume)
         for _ in range(repeats):  # interleaved, so noise hits every method alike
-            for name, fn in methods.items():
-                times[name].append(_time(fn, n))
+            for name, (fn, consume) in methods.items():
+                times[name].append(_time(fn, expect[name], consume))
     finally:
         ray.shutdown()
+
+    def ratio(a: str, b: str) -> dict[str, float]:  # per round: a's rate / b's rate
+        return _spread([tb / ta for ta, tb in zip(times[a], times[b])])
+
     med = {k: statistics.median(v) for k, v in times.items()}
-    result = {"rows": n, "width": width, "batch_size": batch_size, "bytes": nbytes, "devices": num_devices,
-              "platform": jax.devices()[0].platform,
-              "rows_per_s": {k: n / v for k, v in med.items()},
-              "gb_per_s": {k: nbytes / v / 1e9 for k, v in med.items()}}
-    r = result["rows_per_s"]
-    result["vs_limit"] = r["rayslice"] / r["limit"]
-    result["vs_limit2"] = r["rayslice"] / r["limit2"]
-    result["vs_ray"] = r["rayslice"] / r["ray"]
-    result["vs_naive"] = r["rayslice"] / r["naive"]
+    result: dict[str, Any] = {
+        "rows": n, "width": width, "batch_size": batch_size, "bytes": nbytes, "devices": num_devices,
+        "platform": jax.devices()[0].platform, "repeats": repeats, "aligned_views": aligned_views,
+        "limit_copy_aligned": float(np.mean([is_aligned(c) for c in copies16])),
+        "rows_per_s": {k: expect[k] / v for k, v in med.items()},
+        "gb_per_s": {k: expect[k] * width * 4 / v / 1e9 for k, v in med.items()},
+        "rebatch": {"rows": rb_rows, "block": rebatch_block, "batch": rebatch_batch},
+    }
+    spreads = {
+        "vs_limit": ratio("rayslice", "limit"), "vs_limit2": ratio("rayslice", "limit2"),
+        "vs_limit_copy": ratio("rayslice", "limit_copy"), "vs_limit_bulk": ratio("rayslice", "limit_bulk"),
+        "vs_ray": ratio("rayslice", "ray"), "vs_naive": ratio("rayslice", "naive"),
+        "thread_vs_limit": ratio("rayslice_thread", "limit"),
+        "step_vs_resident": ratio("step_rayslice", "step_resident"),
+        "step_thread_vs_resident": ratio("step_rayslice_thread", "step_resident"),
+        "step_ray_vs_resident": ratio("step_ray", "step_resident"),
+    }
+    if rb_rows:
+        spreads["rebatch_vs_limit"] = ratio("rebatch", "rebatch_limit")
+        spreads["rebatch_vs_ray"] = ratio("rebatch", "rebatch_ray")
+    result["spread"] = spreads
+    result.update({k: v["median"] for k, v in spreads.items()})
     return result
 
 
-if __name__ == "__main__":
-    import json
-    import sys
+def _print_cpu(r: dict[str, Any]) -> None:
+    print(f"{r['rows']:,} rows x {r['width']} f32, batch {r['batch_size']}, {r['devices']} {r['platform']} devices, "
+          f"{r['repeats']} rounds; object-store views 64-byte aligned: {100 * r['aligned_views']:.0f}%, "
+          f"copy-limit slices: {100 * r['limit_copy_aligned']:.0f}%", file=sys.stderr)
+    for k, v in r["rows_per_s"].items():
+        print(f"  {k:22s} {v / 1e6:8.2f} M rows/s  {r['gb_per_s'][k]:7.2f} GB/s", file=sys.stderr)
+    for k, v in r["spread"].items():
+        print(f"  {k:26s} median {v['median']:.3f}  [min {v['min']:.3f}, max {v['max']:.3f}]", file=sys.stderr)
 
-    # Prints one JSON line last, for benchmarks/run.py to read.
-    print(json.dumps(run(**{k: int(v) for k, v in (a.split("=") for a in sys.argv[1:])})))
+
+# -- GPU mode ---------------------------------------------------------------------------------------------------
+
+def _gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9
+
+
+def _h2d(jax: Any, host: Any, dev_sharding: Any, pinned_sharding: Any, reps: int) -> dict[str, float]:
+    """Host->device GB/s of one batch: pageable numpy, and from a JAX pinned_host array."""
+    out: dict[str, float] = {}
+    nbytes = host.nbytes
+    y = jax.device_put(host, dev_sharding)
+    y.block_until_ready()
+    t0 = time.perf_counter()
+    ys = [jax.device_put(host, dev_sharding) for _ in range(reps)]
+    jax.block_until_ready(ys)
+    out["pageable"] = _gbps(nbytes * reps, time.perf_counter() - t0)
+    del ys
+    if pinned_sharding is not None:
+        p = jax.device_put(host, pinned_sharding)
+        p.block_until_ready()
+        jax.device_put(p, dev_sharding).block_until_ready()
+        t0 = time.perf_counter()
+        ys = [jax.device_put(p, dev_sharding) for _ in range(reps)]
+        jax.block_until_ready(ys)
+        out["pinned"] = _gbps(nbytes * reps, time.perf_counter() - t0)
+    return out
+
+
+def _cupy_pinned(nbytes: int, reps: int) -> float | None:
+    """Pinned H2D GB/s with CuPy (cudaMemcpyAsync from cudaHostAlloc memory), if CuPy is there."""
+    try:
+        import cupy as cp
+        import cupyx
+    except Exception:
+        return None
+    import numpy as np
+
+    src = cupyx.empty_pinned((nbytes,), dtype=np.uint8)
+    src[:] = 1
+    dst = cp.empty((nbytes,), dtype=cp.uint8)
+    stream = cp.cuda.Stream(non_blocking=True)
+    dst.set(src, stream=stream)
+    stream.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        dst.set(src, stream=stream)
+    stream.synchronize()
+    return _gbps(nbytes * reps, time.perf_counter() - t0)
+
+
+def run_gpu(dry_run: bool = False, rows: int = 2_000_000, width: int = 128, repeats: int = 5,
+            sizes_mb: tuple[int, ...] = (4, 8, 16, 32)) -> dict[str, Any]:
+    """GPU host: pinned and pageable H2D, rayslice vs Ray's iter_jax_batches, and a fed training step.
+
+    Needs JAX with a GPU backend and Ray (e.g. installed from ``shared/gpu/pack.sh``'s
+    tarball); no network. ``dry_run`` runs the same code path on CPU devices with
+    small sizes (for testing this script); without a GPU and without ``dry_run`` it
+    returns ``{"skipped": ...}`` and measures nothing.
+    """
+    if dry_run:
+        os.environ["JAX_PLATFORMS"] = "cpu"
+        rows, sizes_mb, repeats = min(rows, 65536), (1, 2), min(repeats, 2)
+    elif not (os.path.exists("/dev/nvidiactl") or os.path.exists("/proc/driver/nvidia")):
+        return {"skipped": "no GPU: no NVIDIA driver on this host (/dev/nvidiactl); --gpu --dry-run runs "
+                           "the same code on CPU devices"}
+    try:
+        import numpy as np
+        import ray
+    except Exception as e:
+        return {"skipped": f"no Ray here ({type(e).__name__}: {e}); install it from the packed tarball"}
+    if not ray.is_initialized():  # before JAX starts its threads: Ray forks helper processes
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        ray.init(num_cpus=min(8, os.cpu_count() or 2), object_store_memory=max(3 * rows * width * 4, 300 * 2**20),
+                 include_dashboard=False, log_to_driver=False)
+    import jax
+
+    try:
+        devs = jax.devices("cpu" if dry_run else "gpu")
+    except RuntimeError as e:
+        ray.shutdown()
+        return {"skipped": f"no GPU: JAX {jax.__version__} sees only {jax.devices()[0].platform} devices ({e})"}
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    dev = devs[0]
+    sharding = NamedSharding(Mesh(np.array([dev]), ("data",)), PartitionSpec("data"))
+    kinds = {m.kind for m in dev.addressable_memories()}
+    pinned = sharding.with_memory_kind("pinned_host") if "pinned_host" in kinds else None
+    result: dict[str, Any] = {"device": str(getattr(dev, "device_kind", dev.platform)), "platform": dev.platform,
+                              "jax": jax.__version__, "dry_run": dry_run, "rows": rows, "width": width,
+                              "repeats": repeats, "memory_kinds": sorted(kinds), "sizes": {}}
+    row_bytes = width * 4
+    arr = np.random.default_rng(0).standard_normal((rows, width), dtype=np.float32)
+    from rayslice.data import iter_jax_batches
+
+    try:
+        ds = ray.data.from_numpy(arr).materialize()
+        for mb in sizes_mb:
+            bs = mb * 2**20 // row_bytes
+            n = rows - rows % bs
+            host = arr[:bs].copy()
+            per: dict[str, list[float]] = {}
+            cupy_bw = None if dry_run else _cupy_pinned(host.nbytes, 20)
+            feed = dict(batch_size=bs, sharding=sharding, ragged="drop")
+            methods = {
+                "rayslice": lambda feed=feed: iter_jax_batches(ds, **feed),
+                "rayslice_pageable": lambda feed=feed: iter_jax_batches(ds, staging="pageable", **feed),
+                "ray": lambda bs=bs: ds.iter_jax_batches(batch_size=bs, drop_last=True),
+            }
+            for fn in methods.values():  # warm-up
+                _time(fn, n)
+            for _ in range(repeats):
+                for k, v in _h2d(jax, host, sharding, pinned, 10).items():
+                    per.setdefault(k, []).append(v)
+                for name, fn in methods.items():
+                    per.setdefault(name, []).append(_gbps(n * row_bytes, _time(fn, n)))
+            if cupy_bw is not None:
+                per["cupy_pinned"] = [cupy_bw]
+            entry = {k: _spread(v) for k, v in per.items()}
+            ref = "pinned" if "pinned" in per else "pageable"
+            entry["vs_pinned"] = _spread([a / b for a, b in zip(per["rayslice"], per[ref])])
+            entry["vs_ray"] = _spread([a / b for a, b in zip(per["rayslice"], per["ray"])])
+            result["sizes"][f"{mb}MB"] = entry
+        # A training-like step (a few ms) fed by the feeder vs on data already on the device.
+        bs = sizes_mb[-1] * 2**20 // row_bytes
+        n = rows - rows % bs
+        consume_step = _stepper(width, sharding)
+        resident = [jax.device_put(arr[i:i + bs], sharding) for i in range(0, n, bs)]
+        jax.block_until_ready(resident)
+        step_methods = {
+            "resident": lambda: iter(resident),
+            "rayslice": lambda: iter_jax_batches(ds, batch_size=bs, sharding=sharding, ragged="drop"),
+            "ray": lambda: ds.iter_jax_batches(batch_size=bs, drop_last=True),
+        }
+        st: dict[str, list[float]] = {k: [] for k in step_methods}
+        for fn in step_methods.values():
+            _time(fn, n, consume_step)
+        for _ in range(repeats):
+            for name, fn in step_methods.items():
+                st[name].append(_time(fn, n, consume_step))
+        result["step"] = {
+            "batch_rows": bs, "step_ms": 1e3 * statistics.median(st["resident"]) / (n // bs),
+            "rayslice_vs_resident": _spread([r / f for r, f in zip(st["resident"], st["rayslice"])]),
+            "ray_vs_resident": _spread([r / f for r, f in zip(st["resident"], st["ray"])]),
+        }
+    finally:
+        ray.shutdown()
+    return result
+
+
+def _print_gpu(r: dict[str, Any]) -> None:
+    if "skipped" in r:
+        print(f"GPU benchmark skipped: {r['skipped']}", file=sys.stderr)
+        return
+    print(f"{r['device']} ({r['platform']}, JAX {r['jax']}){' DRY RUN on CPU' if r['dry_run'] else ''}; "
+          f"{r['rows']:,} x {r['width']} f32; memory kinds {r['memory_kinds']}; {r['repeats']} rounds",
+          file=sys.stderr)
+    for size, e in r["sizes"].items():
+        bw = "  ".join(f"{k} {v['median']:.1f}" for k, v in e.items() if k not in ("vs_pinned", "vs_ray"))
+        print(f"  {size:>5}: GB/s {bw}", file=sys.stderr)
+        for k in ("vs_pinned", "vs_ray"):
+            v = e[k]
+            print(f"         rayslice {k}: median {v['median']:.2f} [min {v['min']:.2f}, max {v['max']:.2f}]",
+                  file=sys.stderr)
+    s = r["step"]
+    for k in ("rayslice_vs_resident", "ray_vs_resident"):
+        v = s[k]
+        print(f"  step {s['step_ms']:.2f} ms, {k}: median {v['median']:.3f} [min {v['min']:.3f}, max {v['max']:.3f}]",
+              file=sys.stderr)
+
+
+def main(argv: list[str]) -> int:
+    import json
+
+    flags = {a for a in argv if a.startswith("--")}
+    unknown = flags - {"--gpu", "--dry-run"}
+    if unknown:
+        print(f"unknown flag(s) {sorted(unknown)}; usage: bench_data.py [--gpu [--dry-run]] [rows=N] [repeats=N]",
+              file=sys.stderr)
+        return 2
+    kwargs = {k: int(v) for k, v in (a.split("=") for a in argv if not a.startswith("--"))}
+    if "--gpu" in flags:
+        result = run_gpu(dry_run="--dry-run" in flags, **kwargs)
+        _print_gpu(result)
+    else:
+        result = run(**kwargs)
+        _print_cpu(result)
+    print(json.dumps(result))  # one JSON line last, for benchmarks/run.py to read
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
 
 
 def _agreement_steps(steps: int, batch_size: int, agree: bool) -> float:

@@ -160,7 +160,7 @@ def test_resume_from_every_step_is_identical(ragged):
 
 
 def test_prefetch_keeps_batches_ahead_on_device():
-    it = iter_jax_batches(chunks(64), batch_size=8, prefetch=3)
+    it = iter_jax_batches(chunks(64), batch_size=8, prefetch=3, pipeline="thread")
     first = next(it)
     deadline = __import__("time").monotonic() + 10
     while it._queue.qsize() < 3 and __import__("time").monotonic() < deadline:
@@ -219,7 +219,7 @@ def test_close_ends_the_iterator_and_dropping_it_stops_the_thread():
     it.close()
     with pytest.raises(StopIteration):
         next(it)  # ends at once, never blocks
-    it = iter_jax_batches(chunks(400), batch_size=8, prefetch=2)
+    it = iter_jax_batches(chunks(400), batch_size=8, prefetch=2, pipeline="thread")
     next(it)
     thread = it._thread
     del it  # e.g. `break` out of a loop and move on

@@ -15,12 +15,17 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 Batch = dict[str, np.ndarray]
+Alloc = Callable[[tuple[int, ...], np.dtype], np.ndarray]
+
+
+def _plain_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    return np.empty(shape, dtype)
 
 
 def _is_ray_source(source: Any) -> bool:
@@ -104,30 +109,60 @@ def _shuffled(batches: Iterable[Batch], buffer_size: int, seed: int | None, out_
         yield {k: v[order] for k, v in buf.items()}
 
 
-def _rebatch(batches: Iterable[Batch], batch_size: int, skip_rows: int) -> Iterator[Batch]:
-    buf: list[Batch] = []
+def _assemble(parts: list[Batch], rows: int, alloc: Alloc) -> Batch:
+    """One batch from consecutive pieces: a piece alone as it is (a view), else each
+    piece's rows written straight into one buffer from ``alloc`` (no concatenate)."""
+    if len(parts) == 1:
+        return parts[0]
+    first = parts[0]
+    out: Batch = {}
+    for k, v0 in first.items():
+        dtype = np.result_type(*[p[k].dtype for p in parts])
+        if any(p[k].shape[1:] != v0.shape[1:] for p in parts):
+            shapes = sorted({str(list(p[k].shape[1:])) for p in parts})
+            raise ValueError(f"column {k!r} has different trailing shapes across source batches: {shapes}")
+        buf = alloc((rows, *v0.shape[1:]), dtype)
+        at = 0
+        for p in parts:
+            n = len(p[k])
+            buf[at:at + n] = p[k]
+            at += n
+        out[k] = buf
+    return out
+
+
+def _rebatch(batches: Iterable[Batch], batch_size: int, skip_rows: int, alloc: Alloc | None = None) -> Iterator[Batch]:
+    """Exact ``batch_size`` batches: zero-copy views where a batch lies inside one source
+    batch, else the pieces written into one staging buffer from ``alloc``."""
+    alloc = alloc or _plain_empty
+    parts: list[Batch] = []
     have = 0
+    keys: set[str] | None = None
     for b in batches:
+        if keys is None:
+            keys = set(b)
+        elif set(b) != keys:
+            raise ValueError(f"source batches have different columns: {sorted(keys)} and {sorted(b)}; "
+                             "every batch must have the same columns (select them with columns=[...])")
         n = _rows(b)
+        start = 0
         if skip_rows:
-            if n <= skip_rows:
-                skip_rows -= n
+            start = min(n, skip_rows)
+            skip_rows -= start
+        while start < n:
+            if not have and n - start >= batch_size:  # a whole batch inside this block: a view
+                yield b if start == 0 and n == batch_size else {k: v[start:start + batch_size] for k, v in b.items()}
+                start += batch_size
                 continue
-            b = {k: v[skip_rows:] for k, v in b.items()}
-            n -= skip_rows
-            skip_rows = 0
-        if n == 0:
-            continue
-        buf.append(b)
-        have += n
-        while have >= batch_size:
-            merged = _concat(buf)
-            yield {k: v[:batch_size] for k, v in merged.items()}
-            rest = {k: v[batch_size:] for k, v in merged.items()}
-            have -= batch_size
-            buf = [rest] if have else []
+            take = min(batch_size - have, n - start)
+            parts.append({k: v[start:start + take] for k, v in b.items()})
+            have += take
+            start += take
+            if have == batch_size:
+                yield _assemble(parts, batch_size, alloc)
+                parts, have = [], 0
     if have:
-        yield _concat(buf)
+        yield _assemble(parts, have, alloc)
 
 
 def check_source(source: Any) -> None:
@@ -152,12 +187,17 @@ def host_batches(
     ray_prefetch_batches: int = 2,
     shuffle_buffer: int | None = None,
     shuffle_seed: int | None = None,
+    alloc: Alloc | None = None,
 ) -> Iterator[Batch]:
     """Exact-size host batches from ``source`` (see module docstring).
 
-    From Ray Data, rows are fetched ``fetch_batches`` batches at a time and cut
-    here into zero-copy numpy views: Ray's per-batch cost is paid once per
-    fetch instead of once per step, which matters at thousands of steps/s.
+    From Ray Data, blocks are read as they are in the object store
+    (``batch_size=None``: Ray neither slices nor concatenates them) and cut
+    here: a batch inside one block is a zero-copy view of the store's
+    (64-byte aligned) memory; a batch spanning blocks is written piece by
+    piece into one buffer from ``alloc`` (the feeder's staging buffers).
+    With a local shuffle, Ray shuffles and rows arrive ``fetch_batches``
+    batches at a time. ``skip_rows`` (resuming) skips whole blocks unconverted.
     """
     if _is_ray_source(source):
         ds = source
@@ -170,18 +210,19 @@ def host_batches(
         # coordinator, out of reach here: resuming one is not exact.
         if hasattr(ds, "context"):
             ds.context.execution_options.preserve_order = True
-        fetch = batch_size * max(1, fetch_batches)
+        fetch = batch_size * max(1, fetch_batches) if shuffle_buffer is not None else None
         raw = iter(ds.iter_batches(batch_size=fetch, batch_format="numpy", drop_last=False,
                                    prefetch_batches=ray_prefetch_batches, local_shuffle_buffer_size=shuffle_buffer,
                                    local_shuffle_seed=shuffle_seed))
-        # Resuming: skip whole fetches without converting them, then rows.
-        whole, rest = divmod(skip_rows, fetch)
-        for _ in range(whole):
-            if next(raw, None) is None:
-                return
-        yield from _rebatch((to_numpy_batch(b, columns) for b in raw), batch_size, rest)
+        converted = (to_numpy_batch(b, columns) for b in raw)
+        if skip_rows and fetch is not None:  # resuming: skip whole fetches without converting them
+            whole, skip_rows = divmod(skip_rows, fetch)
+            for _ in range(whole):
+                if next(raw, None) is None:
+                    return
+        yield from _rebatch(converted, batch_size, skip_rows, alloc)
         return
     batches: Iterable[Batch] = (to_numpy_batch(b, columns) for b in source)
     if shuffle_buffer is not None:
         batches = _shuffled(batches, shuffle_buffer, shuffle_seed, batch_size)
-    yield from _rebatch(batches, batch_size, skip_rows)
+    yield from _rebatch(batches, batch_size, skip_rows, alloc)

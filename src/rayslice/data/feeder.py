@@ -2,11 +2,16 @@
 
 Each host reads its own rows (``batch_size`` per host per step), casts them on
 the host, and assembles one global ``jax.Array`` of ``batch_size x
-process_count`` rows sharded along the batch dimension. A background thread
-keeps the next ``prefetch`` batches already on device while the current step
-runs. Options are one :class:`~rayslice.data.FeederOptions`, checked when the
-iterator is built; Ray's ``Dataset.iter_jax_batches`` arguments are accepted
-too (see :func:`~rayslice.data.options.build_options`).
+process_count`` rows sharded along the batch dimension. A batch inside one
+Ray block is a zero-copy view of the object store; one spanning blocks is
+written piece by piece into a staging buffer. On accelerators the batch is
+staged in pinned host memory and copied to every device asynchronously (in
+parallel per device), and a background thread keeps the next ``prefetch``
+batches on device while the current step runs; on CPU devices, where an
+aligned host batch is aliased rather than copied, the work runs in the
+consumer's ``next()`` (``pipeline="auto"``). Options are one
+:class:`~rayslice.data.FeederOptions`, checked when the iterator is built;
+Ray's ``Dataset.iter_jax_batches`` arguments are accepted too (see :func:`~rayslice.data.options.build_options`).
 
 The last batch is an explicit :class:`~rayslice.data.Ragged` choice:
 ``"raise"`` (default; an error naming the rows left, raised before any
@@ -37,7 +42,8 @@ from __future__ import annotations
 import collections
 import queue
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -47,16 +53,25 @@ from rayslice.data import _columns as cols
 from rayslice.data._agreement import RowAgreement, next_stream_id
 from rayslice.data._rebatch import Batch, check_source, host_batches
 from rayslice.data._sharding import batch_sharding, default_sharding
+from rayslice.data._staging import StagingRing, aligned_empty
 from rayslice.data._steps import Step, decide
 from rayslice.data.options import FeederOptions, Ragged, build_options, check_state
 
 _END = object()
 
 
-class _Feeder:
-    """The machinery behind one :class:`JaxBatchIterator`: source, prefetch thread, queue.
+def _reuses_staging(platform: str) -> bool:
+    """Whether a device copy of a host buffer never aliases it (so the buffer can be reused)."""
+    return platform != "cpu"
 
-    The thread holds only this object, never the iterator the caller holds, so
+
+class _Feeder:
+    """The machinery behind one :class:`JaxBatchIterator`: source, staging, transfers, pipeline.
+
+    The steps come from one generator (:meth:`_generate`). Under
+    ``pipeline="sync"`` the consumer's ``next()`` runs it; under ``"thread"``
+    a background thread runs it into a queue of ``prefetch`` batches. The
+    thread holds only this object, never the iterator the caller holds, so
     dropping the iterator (``break`` out of a loop) stops the thread.
     """
 
@@ -73,6 +88,22 @@ class _Feeder:
         self.process_count = jax.process_count()
         self.sharding, self.shards = batch_sharding(o.sharding or default_sharding(), o.batch_size,
                                                     self.process_count)
+        local = sorted(self.sharding.addressable_devices, key=lambda d: d.id)
+        self.platform = local[0].platform
+        self.pipeline = o.pipeline if o.pipeline != "auto" else ("sync" if self.platform == "cpu" else "thread")
+        self.pinned = self._pinned_sharding(o.staging, local[0])
+        threads = o.transfer_threads
+        if threads is None:
+            threads = min(8, len(local)) if self.platform != "cpu" and len(local) > 1 else 0
+        # Per-device transfers from a pool; a multi-process batch goes through JAX's own assembly.
+        self.transfer_threads = threads if self.process_count == 1 and len(local) > 1 else 0
+        self._pool = ThreadPoolExecutor(self.transfer_threads, thread_name_prefix="rayslice-h2d") \
+            if self.transfer_threads else None
+        self._index_maps: dict[tuple, list] = {}
+        # Where a transfer must copy the host batch (accelerators), staging buffers are reused
+        # once their device copy is done; CPU devices may alias them (for any memory kind),
+        # so there each batch gets a fresh one.
+        self._ring = StagingRing(o.prefetch + o.agree_window + 2) if _reuses_staging(self.platform) else None
         self._batches, self._rows, self._finished = st["batches"], st["rows"], st["finished"]
         agree = self.process_count > 1 if o.agree is None else o.agree
         self._agreement = RowAgreement(next_stream_id(), o.agreement_timeout_s) if agree else None
@@ -82,22 +113,54 @@ class _Feeder:
         self._full_mask: Any = None
         self._source_done = False
         self._source = host_batches(source, o.batch_size, columns=o.columns, skip_rows=self._rows,
-                                    shuffle_buffer=o.local_shuffle_buffer_size, shuffle_seed=o.local_shuffle_seed)
+                                    shuffle_buffer=o.local_shuffle_buffer_size, shuffle_seed=o.local_shuffle_seed,
+                                    alloc=self._ring.alloc if self._ring is not None else aligned_empty)
+        self._gen = self._generate()
         self._queue: queue.Queue = queue.Queue(maxsize=o.prefetch)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._produce, name="rayslice-feeder", daemon=True)
-        if not self._finished:
+        if not self._finished and self.pipeline == "thread":
             self._thread.start()
 
-    # -- producer (background thread) ---------------------------------
-    def _put(self, item: Any) -> bool:
-        while not self._stop.is_set():
-            try:
-                self._queue.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
+    def _pinned_sharding(self, staging: str, device: Any) -> Any:
+        """The batch sharding in ``pinned_host`` memory, or None to transfer from pageable memory."""
+        if staging == "pageable":
+            return None
+        try:
+            kinds = {m.kind for m in device.addressable_memories()}
+        except Exception:  # a backend without memory kinds
+            kinds = set()
+        if "pinned_host" not in kinds:
+            if staging == "pinned":
+                raise fail("staging", staging, f"'auto' or 'pageable': {self.platform} devices have no pinned_host "
+                                               f"memory (they have {sorted(kinds) or 'none listed'})")
+            return None
+        if staging == "auto" and self.platform == "cpu":
+            return None  # host memory is device memory there: staging would only add a copy
+        return self.sharding.with_memory_kind("pinned_host")
+
+    # -- transfers ------------------------------------------------------
+    def _put_one(self, v: np.ndarray, device: Any) -> Any:
+        import jax
+        from jax.sharding import SingleDeviceSharding
+
+        if self.pinned is not None:
+            v = jax.device_put(v, SingleDeviceSharding(device, memory_kind="pinned_host"))
+        return jax.device_put(v, SingleDeviceSharding(device))
+
+    def _put_per_device(self, dev: Batch) -> dict[str, Any]:
+        """Every device's rows of every column, transferred from the pool in parallel."""
+        import jax
+
+        jobs = {}
+        for k, v in dev.items():
+            key = v.shape
+            if key not in self._index_maps:
+                self._index_maps[key] = list(self.sharding.addressable_devices_indices_map(v.shape).items())
+            jobs[k] = [self._pool.submit(self._put_one, v[idx], d)  # type: ignore[union-attr]
+                       for d, idx in self._index_maps[key]]
+        return {k: jax.make_array_from_single_device_arrays(dev[k].shape, self.sharding, [f.result() for f in fs])
+                for k, fs in jobs.items()}
 
     def _to_global(self, batch: Batch, rows: int) -> dict[str, Any]:
         import jax
@@ -106,10 +169,21 @@ class _Feeder:
         dev = {k: v for k, v in batch.items() if k not in self.host_columns}
         if self.process_count == 1:
             # Same result, and measurably faster than the multi-process path.
-            return {**{k: jax.device_put(v, self.sharding) for k, v in dev.items()}, **host}
-        shape0 = (rows * self.process_count,)
-        return {**{k: jax.make_array_from_process_local_data(self.sharding, v, shape0 + v.shape[1:])
-                   for k, v in dev.items()}, **host}
+            if self._pool is not None:
+                out = self._put_per_device(dev)
+            elif self.pinned is not None:  # into pinned host memory, then one DMA per device
+                out = jax.device_put(jax.device_put(dev, self.pinned), self.sharding)
+            else:
+                out = jax.device_put(dev, self.sharding)
+        else:
+            shape0 = (rows * self.process_count,)
+            target = self.pinned if self.pinned is not None else self.sharding
+            out = {k: jax.make_array_from_process_local_data(target, v, shape0 + v.shape[1:]) for k, v in dev.items()}
+            if self.pinned is not None:
+                out = jax.device_put(out, self.sharding)
+        if self._ring is not None:  # a staging buffer is free again once its device copy is done
+            self._ring.seal(dev, out)
+        return {**out, **host}
 
     def _learn(self, template: Batch) -> None:
         """Takes the layout of the first batch (this host's, or another's) and checks it once."""
@@ -181,42 +255,57 @@ class _Feeder:
         if self._template is None:
             raise ValueError("this host's shard is empty and hosts do not agree (agree=False / "
                              "synchronize_batches=False), so it has no column layout to pad with; leave agree on")
-        padded, mask = cols.pad(local, o.batch_size, self._fills, self._template)  # type: ignore[arg-type]
+        padded, mask = cols.pad(local, o.batch_size, self._fills, self._template)
         out = self._to_global(padded, o.batch_size)
         if o.mask_key is not None:
             # Every batch has the same structure under "pad", so a jitted step never recompiles for the last one.
             out[o.mask_key] = self._to_global({"m": mask}, o.batch_size)["m"]
         return out
 
-    def _produce(self) -> None:
+    def _generate(self) -> Generator[tuple[Any, int | None], None, None]:
+        """Every step's (batch on device, this host's rows), then (_END, None); errors raise."""
         o = self.options
         step = self._batches
         pending: collections.deque = collections.deque()
         agreed: dict[int, list[int]] = {}
         window = o.agree_window if self._agreement else 1
+        self._read_or_abort(pending, window, None)
+        if self._agreement:
+            self._handshake()
+        while not self._stop.is_set():
+            if step not in agreed:
+                # One exchange covers a window of steps: each host reads
+                # that many batches ahead and posts all their sizes at once.
+                self._read_or_abort(pending, window, step)
+                mine = [cols.rows_of(b) for b in list(pending)[:window]]
+                per_step = self._agreement.exchange(step, mine, window) if self._agreement else [mine or [0]]
+                agreed.update({step + j: c for j, c in enumerate(per_step)})
+            counts = agreed.pop(step)
+            action = decide(counts, o.batch_size, o.ragged, self.shards,
+                            hosts=len(counts) if self._agreement else self.process_count)
+            n = counts[self._process]
+            local = pending.popleft() if n else None
+            if action is Step.END:
+                yield _END, None
+                return
+            out = self._step_out(action, local, n)
+            yield (out[cols.ARRAY_KEY] if cols.ARRAY_KEY in out and len(out) == 1 else out), n
+            step += 1
+
+    def _put(self, item: Any) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _produce(self) -> None:  # the prefetch thread (pipeline="thread")
         try:
-            self._read_or_abort(pending, window, None)
-            if self._agreement:
-                self._handshake()
-            while not self._stop.is_set():
-                if step not in agreed:
-                    # One exchange covers a window of steps: each host reads
-                    # that many batches ahead and posts all their sizes at once.
-                    self._read_or_abort(pending, window, step)
-                    mine = [cols.rows_of(b) for b in list(pending)[:window]]
-                    per_step = self._agreement.exchange(step, mine, window) if self._agreement else [mine or [0]]
-                    agreed.update({step + j: c for j, c in enumerate(per_step)})
-                counts = agreed.pop(step)
-                action = decide(counts, o.batch_size, o.ragged, self.shards,
-                                hosts=len(counts) if self._agreement else self.process_count)
-                n = counts[self._process]
-                local = pending.popleft() if n else None
-                if action is Step.END:
-                    self._put((_END, None))
+            for item in self._gen:
+                if not self._put(item) or item[0] is _END:
                     return
-                out = self._step_out(action, local, n)
-                self._put((out[cols.ARRAY_KEY] if cols.ARRAY_KEY in out and len(out) == 1 else out, n))
-                step += 1
         except BaseException as e:  # handed to the consumer, raised in order
             self._put((e, None))
 
@@ -224,7 +313,15 @@ class _Feeder:
     def __next__(self) -> Any:
         if self._finished:
             raise StopIteration
-        item, n = self._queue.get()
+        if self.pipeline == "thread":
+            item, n = self._queue.get()
+        else:
+            try:
+                item, n = next(self._gen)
+            except StopIteration:  # closed
+                item, n = _END, None
+            except BaseException as e:
+                item, n = e, None
         if item is _END:
             self._finished = True
             self._stop.set()
@@ -247,6 +344,13 @@ class _Feeder:
         self._stop.set()
         if wait and self._thread.is_alive():
             self._thread.join(timeout=10)
+        if not self._thread.is_alive():
+            try:
+                self._gen.close()
+            except ValueError:  # running in another thread right now: it stops at its next step
+                pass
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
 
 
 class JaxBatchIterator(Iterator[Any]):
@@ -324,6 +428,9 @@ def iter_jax_batches(
     ragged: Ragged | str | None = None,
     pad_value: Any = None,
     prefetch: int | None = None,
+    pipeline: str | None = None,
+    staging: str | None = None,
+    transfer_threads: int | None = None,
     dtypes: Any = None,
     columns: Sequence[str] | None = None,
     host_columns: Sequence[str] | None = None,
@@ -359,7 +466,15 @@ def iter_jax_batches(
             ``jax.set_mesh`` mesh, else 1-D Auto axes (mixes with ``Mesh(devices, ("data",))``).
         ragged: ``"raise"`` (default), ``"drop"``, ``"pad"`` or ``"keep"``.
         pad_value: Fill under ``"pad"`` (a scalar or ``{column: scalar}``).
-        prefetch: Batches kept on device ahead of the consumer (default 2).
+        prefetch: Batches kept on device ahead of the consumer (default 2)
+            when the pipeline runs on a thread.
+        pipeline: ``"auto"`` (default: ``"sync"`` on CPU devices, else
+            ``"thread"``), ``"thread"`` or ``"sync"`` (no thread; Ray's
+            ``prefetch_batches=0``).
+        staging: ``"auto"`` (default: pinned host memory on accelerators that
+            have it), ``"pinned"`` or ``"pageable"``.
+        transfer_threads: Threads issuing per-device transfers in parallel
+            (default: one per local accelerator when there are several).
         dtypes: One dtype for every device column (as Ray), or ``{column: dtype}``.
         columns: Columns to keep (a list).
         host_columns: Columns kept as numpy on this host, never sent to devices.
@@ -392,6 +507,7 @@ def iter_jax_batches(
         ((8, 3), 'float32')
     """
     given = dict(batch_size=batch_size, sharding=sharding, ragged=ragged, pad_value=pad_value, prefetch=prefetch,
+                 pipeline=pipeline, staging=staging, transfer_threads=transfer_threads,
                  dtypes=dtypes, columns=columns, host_columns=host_columns, mask_key=mask_key, agree=agree,
                  agreement_timeout_s=agreement_timeout_s, agree_window=agree_window, drop_last=drop_last,
                  paddings=paddings, prefetch_batches=prefetch_batches, collate_fn=collate_fn,

@@ -31,6 +31,7 @@ import numpy as np
 from rayslice._validate import (
     check_bool,
     check_callable,
+    check_choice,
     check_float,
     check_int,
     check_optional,
@@ -145,6 +146,10 @@ def _check_sharding(value: object) -> Any:
     return value
 
 
+PIPELINES = ("auto", "thread", "sync")
+STAGINGS = ("auto", "pinned", "pageable")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class FeederOptions:
     """Everything :func:`~rayslice.data.iter_jax_batches` needs besides its source; frozen, checked once.
@@ -160,7 +165,25 @@ class FeederOptions:
         sharding: A ``NamedSharding`` splitting the batch dimension; None: the
             mesh set with ``jax.set_mesh``, else 1-D over all devices with
             Auto axes (mixes with ``Mesh(devices, ("data",))``).
-        prefetch: Batches kept on device ahead of the consumer (>= 1).
+        prefetch: Batches kept on device ahead of the consumer (>= 1) when
+            the pipeline runs on a thread.
+        pipeline: Where host work and transfers run: ``"thread"`` (a
+            background thread keeps ``prefetch`` batches on device ahead),
+            ``"sync"`` (in the consumer's ``next()``; no thread, no hand-off)
+            or ``"auto"`` (default: ``"sync"`` on the CPU platform, where
+            ``device_put`` of an aligned host batch is a zero-copy alias and a
+            thread only adds hand-off cost, ``"thread"`` on accelerators).
+            Ray's ``prefetch_batches=0`` means ``"sync"``.
+        staging: How host batches reach accelerators: ``"pinned"`` (through
+            JAX ``memory_kind="pinned_host"`` buffers, then an asynchronous
+            DMA to the devices), ``"pageable"`` (plain ``device_put``) or
+            ``"auto"`` (default: pinned where devices have a ``pinned_host``
+            memory and are not CPUs; on CPU devices host memory *is* device
+            memory and staging only adds a copy).
+        transfer_threads: Threads issuing per-device transfers in parallel
+            (0: every device's transfer from the feeder's own thread; None,
+            the default: one per local device, at most 8, on accelerators
+            with more than one local device, else 0).
         dtypes: One dtype for every device column (as Ray casts), or
             ``{column: dtype}``; cast on the host, refusing lossy int casts.
         columns: Columns to keep (a list; a lone string is refused).
@@ -187,6 +210,9 @@ class FeederOptions:
     mask_key: str | None = "mask"
     sharding: Any = None
     prefetch: int = 2
+    pipeline: str = "auto"
+    staging: str = "auto"
+    transfer_threads: int | None = None
     dtypes: Any = None
     columns: tuple[str, ...] | None = None
     host_columns: tuple[str, ...] = ()
@@ -206,6 +232,10 @@ class FeederOptions:
         put(self, "mask_key", check_optional(check_str, "mask_key", self.mask_key))
         put(self, "sharding", _check_sharding(self.sharding))
         put(self, "prefetch", check_int("prefetch", self.prefetch, minimum=1, maximum=1024))
+        put(self, "pipeline", check_choice("pipeline", self.pipeline, PIPELINES))
+        put(self, "staging", check_choice("staging", self.staging, STAGINGS))
+        put(self, "transfer_threads",
+            check_optional(check_int, "transfer_threads", self.transfer_threads, minimum=0, maximum=64))
         put(self, "dtypes", _check_dtypes(self.dtypes))
         put(self, "columns", check_optional(check_str_list, "columns", self.columns))
         put(self, "host_columns", check_str_list("host_columns", self.host_columns))
@@ -258,7 +288,8 @@ def check_state(state: object) -> dict[str, Any]:
     unknown = set(state) - {"version", "batches", "rows", "finished"}
     if unknown:
         raise fail("state", state, f"only keys version, batches, rows, finished (unknown: {sorted(map(str, unknown))})")
-    if state.get("version", 1) != 1:
+    version = state.get("version", 1)
+    if type(version) is not int or version != 1:  # 1.0 and True are not the format number
         raise fail("state['version']", state.get("version"), "1 (the only state format)")
     return {"version": 1,
             "batches": check_int("state['batches']", state.get("batches", 0), minimum=0),
@@ -276,7 +307,8 @@ def _one_of(name: str, value: Any, ray_name: str, ray_value: Any) -> Any:
 def build_options(
     *,
     batch_size: int | None = None, ragged: Ragged | str | None = None, pad_value: Any = None,
-    mask_key: str | None = None, sharding: Any = None, prefetch: int | None = None, dtypes: Any = None,
+    mask_key: str | None = None, sharding: Any = None, prefetch: int | None = None, pipeline: str | None = None,
+    staging: str | None = None, transfer_threads: int | None = None, dtypes: Any = None,
     columns: Any = None, host_columns: Any = None, collate_fn: Callable[[Any], Any] | None = None,
     local_shuffle_buffer_size: int | None = None, local_shuffle_seed: int | None = None, agree: bool | None = None,
     agreement_timeout_s: float | None = None, agree_window: int | None = None,
@@ -288,7 +320,8 @@ def build_options(
     Ray's names map onto rayslice's: ``drop_last=True`` is ``ragged="drop"``;
     ``paddings`` is ``ragged="pad"`` with that ``pad_value`` and, as in Ray,
     no mask unless ``mask_key`` is given; ``prefetch_batches`` is
-    ``prefetch`` (0 means 1); ``synchronize_batches`` is ``agree``. When
+    ``prefetch``, and ``prefetch_batches=0`` (Ray: no prefetching) is
+    ``pipeline="sync"``; ``synchronize_batches`` is ``agree``. When
     ``ragged`` is not given and any of Ray's own arguments is
     (``drop_last``, ``paddings``, ``prefetch_batches``, ``collate_fn``,
     ``synchronize_batches``, ``local_shuffle_*``), the last batch follows
@@ -299,6 +332,8 @@ def build_options(
         <Ragged.KEEP: 'keep'>
         >>> build_options(batch_size=8).ragged, build_options(paddings=0).mask_key
         (<Ragged.RAISE: 'raise'>, None)
+        >>> build_options(prefetch_batches=0).pipeline
+        'sync'
         >>> build_options(drop_last=True, ragged="pad")
         Traceback (most recent call last):
         ...
@@ -306,8 +341,13 @@ def build_options(
     """
     if drop_last is not None:
         check_bool("drop_last", drop_last)
+    prefetch_alias = prefetch_batches
     if prefetch_batches is not None:
-        prefetch_batches = max(1, check_int("prefetch_batches", prefetch_batches, minimum=0, maximum=1024))
+        check_int("prefetch_batches", prefetch_batches, minimum=0, maximum=1024)
+        if prefetch_batches == 0:  # Ray: no prefetching at all
+            if pipeline not in (None, "sync"):
+                raise fail("prefetch_batches", 0, f"> 0 or left out when pipeline={pipeline!r} (0 means 'sync')")
+            pipeline, prefetch_alias = "sync", None
     if paddings is not None:
         paddings = _check_pad("paddings", paddings)
     policy = Ragged.parse(ragged) if ragged is not None else None
@@ -326,7 +366,8 @@ def build_options(
         mask_key = "mask"  # Ray's paddings alone yield no mask, like Ray; rayslice's spelling always has one
     given = {
         "batch_size": batch_size, "pad_value": fill, "sharding": sharding,
-        "prefetch": _one_of("prefetch", prefetch, "prefetch_batches", prefetch_batches), "dtypes": dtypes,
+        "prefetch": _one_of("prefetch", prefetch, "prefetch_batches", prefetch_alias), "dtypes": dtypes,
+        "pipeline": pipeline, "staging": staging, "transfer_threads": transfer_threads,
         "columns": columns, "host_columns": host_columns, "collate_fn": collate_fn,
         "local_shuffle_buffer_size": local_shuffle_buffer_size, "local_shuffle_seed": local_shuffle_seed,
         "agree": _one_of("agree", agree, "synchronize_batches", synchronize_batches),

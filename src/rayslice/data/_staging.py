@@ -1,0 +1,106 @@
+"""Host staging buffers for the feeder (private): 64-byte-aligned allocations and a reuse ring.
+
+A batch that spans several source blocks is assembled by writing each block's
+rows straight into one staging buffer (no ``np.concatenate`` of the pieces).
+Two kinds of buffer:
+
+* **fresh, aligned** (:func:`aligned_empty`): on the CPU platform JAX aliases
+  a host buffer that is 64-byte aligned instead of copying it, so the
+  ``jax.Array`` the consumer gets *is* the staging buffer; it must never be
+  written again, and a new one is allocated per batch. ``np.empty`` alone
+  gives 16-byte alignment for large arrays, which JAX copies.
+* **reused** (:class:`StagingRing`): where the transfer copies the buffer
+  (accelerators, or pinned staging), the same few buffers are reused once the
+  copy that read them has finished: no page faults of fresh memory per batch.
+
+Example:
+    >>> import numpy as np
+    >>> a = aligned_empty((3, 5), np.dtype("float32"))
+    >>> a.ctypes.data % ALIGN, a.shape, a.flags.c_contiguous
+    (0, (3, 5), True)
+    >>> ring = StagingRing(depth=2)
+    >>> b = ring.alloc((4,), np.dtype("int32"))
+    >>> np.shares_memory(ring.alloc((4,), np.dtype("int32")), b)  # lent, not sealed: never lent twice
+    False
+    >>> ring.seal({"x": b}, {"x": None})  # its copy is done (None: nothing to wait for)
+    >>> np.shares_memory(ring.alloc((4,), np.dtype("int32")), b)
+    True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+ALIGN = 64  # bytes; what JAX's CPU client needs to alias a host buffer instead of copying it
+
+
+def aligned_empty(shape: tuple[int, ...], dtype: np.dtype, align: int = ALIGN) -> np.ndarray:
+    """An uninitialized C-contiguous array whose data starts on an ``align``-byte boundary."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(nbytes + align, dtype=np.uint8)
+    off = (-raw.ctypes.data) % align
+    return raw[off:off + nbytes].view(dtype).reshape(shape)
+
+
+def is_aligned(a: np.ndarray, align: int = ALIGN) -> bool:
+    return a.ctypes.data % align == 0
+
+
+class _Entry:
+    __slots__ = ("buf", "guard", "lent")
+
+    def __init__(self, buf: np.ndarray) -> None:
+        self.buf, self.guard, self.lent = buf, None, True
+
+
+def _done(guard: Any) -> bool:
+    if guard is None:
+        return True
+    ready = getattr(guard, "is_ready", None)
+    return bool(ready()) if ready is not None else True
+
+
+class StagingRing:
+    """Up to ``depth`` reusable aligned buffers per (shape, dtype).
+
+    ``alloc`` lends a buffer; ``seal`` says which transfer (a ``jax.Array``
+    with ``is_ready()``) reads it; the buffer is lent again only once that
+    transfer is done. A buffer never sealed (e.g. a cast replaced it) is
+    simply forgotten when the ring is full, never reused.
+    """
+
+    def __init__(self, depth: int) -> None:
+        self.depth = max(1, depth)
+        self._pools: dict[tuple, list[_Entry]] = {}
+        self.allocated = 0  # fresh buffers made (for tests and benchmarks)
+
+    def alloc(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        pool = self._pools.setdefault((tuple(shape), np.dtype(dtype).str), [])
+        for i, e in enumerate(pool):  # oldest first
+            if not e.lent and _done(e.guard):
+                e.lent, e.guard = True, None
+                pool.append(pool.pop(i))
+                # A new array object over the same memory: JAX caches some conversions (e.g.
+                # int64 -> int32) by the array object, and must not see the old batch again.
+                return e.buf.view()
+        buf = aligned_empty(tuple(shape), np.dtype(dtype))
+        self.allocated += 1
+        pool.append(_Entry(buf))
+        if len(pool) > self.depth:
+            pool.pop(0)  # stop tracking the oldest: the garbage collector frees it once unused
+        return buf
+
+    def seal(self, batch: Mapping[str, np.ndarray], guards: Mapping[str, Any]) -> None:
+        """Marks the buffers of ``batch`` as read by ``guards[column]`` (a transfer, or None when done)."""
+        for k, a in batch.items():
+            pool = self._pools.get((a.shape, a.dtype.str))
+            if not pool:
+                continue
+            for e in pool:
+                if e.lent and e.buf.ctypes.data == a.ctypes.data:
+                    e.lent, e.guard = False, guards.get(k)
+                    break
