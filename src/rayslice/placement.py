@@ -30,7 +30,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from rayslice._deadline import Deadline
@@ -46,6 +46,7 @@ from rayslice._validate import (
     check_choice,
     check_float,
     check_optional,
+    check_str,
     fail,
 )
 from rayslice.cluster import (
@@ -316,6 +317,7 @@ def slice_placement_group(
     autoscale: bool | None = None,
     race_window_s: float = 5.0,
     progress: bool = True,
+    avoid_slices: Iterable[str] = (),
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
 ) -> SlicePlacementGroup:
@@ -361,6 +363,9 @@ def slice_placement_group(
             treated as a lost race and planning starts over (>= 0.5 s:
             removing a group while Ray is still placing it can strand chips).
         progress: Show a progress line while waiting.
+        avoid_slices: Slice names to pass over while other slices fit (e.g. one
+            whose host just stopped answering, before Ray declares it dead);
+            taken only when nothing else is free.
         clock: Monotonic clock (injectable for tests).
         sleep: Sleep paired with ``clock``.
 
@@ -408,11 +413,15 @@ def slice_placement_group(
     group_options = {"strategy": strategy, "lifetime": lifetime}
     created: list[Any] = []
     raced: set[str] = set()
+    avoid = {check_str("avoid_slices", n) for n in ([avoid_slices] if isinstance(avoid_slices, str) else avoid_slices)}
     interval = 0.05
     asked_autoscaler = False
     try:
         while True:
-            p = plan(request, list_slices(), exclude=raced)
+            snapshot = list_slices()
+            p = plan(request, snapshot, exclude=raced | avoid)
+            if not p.ok and avoid:
+                p = plan(request, snapshot, exclude=raced)
             raced.clear()
             if p.ok:
                 create_groups(p, selectors, name, group_options, created)

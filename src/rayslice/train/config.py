@@ -312,6 +312,16 @@ class RunConfig:
             ``{"step", "metrics", "attempt"}`` per step, and
             :class:`UserCallback`-shaped objects (``after_report``,
             ``after_exception``).
+        compilation_cache: JAX's persistent compilation cache, on for every
+            attempt so that a restart loads its programs instead of compiling
+            them again. True (default): ``<storage_path>/<name>/compile_cache``,
+            shared by every host and attempt of the run (JAX writes entries
+            from process 0 only and every host reads them, so the directory
+            must be shared; a node-local disk would leave the hosts of the
+            next attempt, often other machines, with nothing). A string: that
+            directory instead (e.g. one bucket shared by many runs of the same
+            model). False: off. A cache that cannot be used is reported once
+            and never fails the run.
 
     Example:
         >>> RunConfig(name="a b")  # doctest: +ELLIPSIS
@@ -328,6 +338,7 @@ class RunConfig:
     worker_runtime_env: Mapping[str, Any] | None = None
     progress: bool = True
     callbacks: Sequence[Callable[[dict[str, Any]], None] | UserCallback] | None = ()
+    compilation_cache: bool | str = True
 
     def __post_init__(self) -> None:
         if self.name is not None and (not isinstance(self.name, str) or not _NAME.match(self.name)):
@@ -361,6 +372,26 @@ class RunConfig:
         if isinstance(callbacks, str | bytes | Mapping) or not isinstance(callbacks, Sequence):
             raise fail("callbacks", callbacks, "a list of callables or UserCallbacks", got_type=True)
         object.__setattr__(self, "callbacks", tuple(_check_callback(i, cb) for i, cb in enumerate(callbacks)))
+        if not isinstance(self.compilation_cache, bool):
+            if not isinstance(self.compilation_cache, str) or not self.compilation_cache.strip():
+                raise fail("compilation_cache", self.compilation_cache, "True, False or a directory path/URL",
+                           got_type=not isinstance(self.compilation_cache, str))
+            cache = self.compilation_cache
+            if "://" in cache and not cache.startswith(_SCHEMES):
+                raise fail("compilation_cache", cache, "True, False, a local path or a gs://, s3:// or file:// URL")
+
+    def compilation_cache_dir(self, run_path: str) -> str | None:
+        """The compilation cache directory of a run at ``run_path`` (None: off).
+
+        Example:
+            >>> RunConfig().compilation_cache_dir("/data/run-a")
+            '/data/run-a/compile_cache'
+        """
+        if self.compilation_cache is False:
+            return None
+        if self.compilation_cache is True:
+            return f"{run_path.rstrip('/')}/compile_cache"
+        return run_dir(str(self.compilation_cache), "").rstrip("/")
 
     def run_path_for(self, name: str) -> str:
         """``storage_path/name``, with ``~`` expanded for local paths."""

@@ -254,6 +254,7 @@ class JaxTrainer:
             while True:
                 attempt += 1
                 self._detection_s = 0.0
+                tracker.begin_attempt()
                 out = self._attempt(attempt, tracker, history, materialized, status, preemptions + failures)
                 if out.ok:
                     break
@@ -336,7 +337,8 @@ class JaxTrainer:
             cc = self._cc
             info = {"checkpoint_dir": self._root, "num_to_keep": cc.num_to_keep, "async_save": cc.async_save,
                     "score_attribute": cc.checkpoint_score_attribute, "score_order": cc.checkpoint_score_order,
-                    "restore_step": latest_complete_step(self._root)}
+                    "restore_step": latest_complete_step(self._root),
+                    "compilation_cache": rc.compilation_cache_dir(run.path)}
             fc = self._fc
             period = period_for(cast(float, fc.heartbeat_timeout_s))
             refs = []
@@ -412,10 +414,14 @@ class JaxTrainer:
             waiting = [ref for rank, ref in draining.items() if rank not in skip]
             ready, _ = ray.wait(waiting, num_returns=len(waiting), timeout=timeout)
             got: dict[int, list[dict[str, Any]]] = {}
+            error: BaseException | None = None
             for rank, ref in sorted(draining.items()):
                 if ref in ready:
                     del draining[rank]
-                    got[rank] = ray.get(ref)  # raises if the host died (Ray noticed it first)
+                    try:
+                        got[rank] = ray.get(ref)
+                    except Exception as e:  # the host died (Ray noticed it): raised once the others are booked
+                        error = error or e
             for rank, reports in got.items():
                 for r in reports:
                     steps.setdefault(r["step"], {})[rank] = r
@@ -432,9 +438,17 @@ class JaxTrainer:
                 self._status(status, f"step {latest['step']} | {shown} | attempt {attempt}, restarts {restarts}")
             for step in sorted(s for s in steps if len(steps[s]) == world):
                 complete(step, steps.pop(step))
+            if error is not None:
+                raise error
 
         def silent() -> float:
             # How long the quietest host had been silent: the detection delay of a loss Ray reported.
+            # Read first, so that hosts still alive count as fresh even if the driver was busy
+            # (e.g. in a callback) and stale records are not taken for silence.
+            try:
+                monitor.observe(read_beats(keys))
+            except Exception:
+                pass
             quiet = max((monitor.silent_s(r) for r in range(world) if r not in monitor.finished), default=0.0)
             return quiet if quiet > 2 * period_for(cast(float, fc.heartbeat_timeout_s)) else 0.0
 
@@ -449,10 +463,26 @@ class JaxTrainer:
         def failed(e: BaseException, rank: int | None) -> RunOutcome:
             self._detection_s = silent()
             outcome = RunOutcome.of(e).outcome
-            if outcome is not Outcome.PREEMPTED and gang.lost_hosts():
-                # The error is the echo of a lost host (a collective broke
-                # because its peer died): a preemption, not a bug.
-                outcome = Outcome.PREEMPTED
+            if outcome is not Outcome.PREEMPTED:
+                # The error may be the echo of a lost host (a collective broke
+                # because its peer died): a preemption, not a bug. The
+                # heartbeats tell within heartbeat_timeout_s; a ping confirms.
+                timeout = cast(float, fc.heartbeat_timeout_s)
+                until = time.monotonic() + timeout + 2 * period_for(timeout)
+                while time.monotonic() < until:
+                    try:
+                        monitor.observe(read_beats(keys))
+                    except Exception:
+                        break
+                    verdict = monitor.check()
+                    if verdict is not None and verdict.kind == "lost":
+                        out = detected(verdict)
+                        if out.error is not None:
+                            out.error.__cause__ = e
+                        return out
+                    time.sleep(period_for(timeout))
+                if gang.lost_hosts(timeout_s=1.0):
+                    outcome = Outcome.PREEMPTED
             salvage(frozenset())
             return RunOutcome(outcome, e, time.monotonic() - t0, time.monotonic() - last,
                               rank if rank is not None else getattr(e, "rank", None))

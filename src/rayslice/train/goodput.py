@@ -28,12 +28,22 @@ COMPONENTS = ("reservation", "startup", "compile", "productive", "checkpoint_sta
 
 @dataclasses.dataclass(frozen=True)
 class Goodput:
-    """Seconds per component; ``fraction`` = productive / wall."""
+    """Seconds per component; ``fraction`` = productive / wall.
+
+    Attributes:
+        wall_s: The run's wall time.
+        seconds: Seconds per component (they add up to ``wall_s``).
+        steps: The last step reached.
+        lost_steps: Steps computed twice (after a failure).
+        attempts: Seconds per component of each attempt, in order (what
+            happened between attempts, e.g. teardown, is in the run's "other").
+    """
 
     wall_s: float
     seconds: dict[str, float]
     steps: int
     lost_steps: int
+    attempts: tuple[dict[str, float], ...] = ()
 
     @property
     def fraction(self) -> float:
@@ -48,14 +58,22 @@ class Goodput:
         t.add_column("component")
         t.add_column("seconds", justify="right")
         t.add_column("share", justify="right")
+        per_attempt = len(self.attempts) > 1
+        if per_attempt:
+            for i in range(len(self.attempts)):
+                t.add_column(f"attempt {i + 1}", justify="right")
         for k in COMPONENTS:
             v = self.seconds[k]
-            t.add_row(k.replace("_", " "), f"{v:.2f}", f"{100 * v / self.wall_s:.1f}%" if self.wall_s else "-")
+            row = [k.replace("_", " "), f"{v:.2f}", f"{100 * v / self.wall_s:.1f}%" if self.wall_s else "-"]
+            if per_attempt:
+                row += ["-" if k == "other" else f"{a.get(k, 0.0):.2f}" for a in self.attempts]
+            t.add_row(*row)
         return t
 
     def as_dict(self) -> dict[str, Any]:
         return {"wall_s": self.wall_s, "fraction": self.fraction, "steps": self.steps,
-                "lost_steps": self.lost_steps, **{f"{k}_s": v for k, v in self.seconds.items()}}
+                "lost_steps": self.lost_steps, **{f"{k}_s": v for k, v in self.seconds.items()},
+                "attempts": [dict(a) for a in self.attempts]}
 
 
 class GoodputTracker:
@@ -69,11 +87,18 @@ class GoodputTracker:
         self.lost_steps = 0
         # Steps of the current attempt not yet covered by a checkpoint: (step, seconds).
         self._uncommitted: list[tuple[int, float]] = []
+        self.attempts: list[dict[str, float]] = []
+
+    def begin_attempt(self) -> None:
+        """Starts booking a new attempt (components booked before the first go to the run only)."""
+        self.attempts.append({k: 0.0 for k in COMPONENTS if k != "other"})
 
     def add(self, component: str, seconds: float) -> None:
         if component not in self.seconds:
             raise KeyError(f"unknown goodput component {component!r}; valid: {', '.join(COMPONENTS)}")
         self.seconds[component] += max(0.0, seconds)
+        if self.attempts and component in self.attempts[-1]:
+            self.attempts[-1][component] += max(0.0, seconds)
 
     def timed(self, component: str) -> _Timer:
         return _Timer(self, component)
@@ -100,6 +125,8 @@ class GoodputTracker:
         lost = [(s, w) for s, w in self._uncommitted if s > base]
         moved = sum(w for _, w in lost)
         self.seconds["productive"] -= moved
+        if self.attempts:
+            self.attempts[-1]["productive"] -= moved
         detection = min(max(0.0, detection_s), max(0.0, unreported_s))
         self.add("detection", detection)
         self.add("lost", moved + unreported_s - detection)
@@ -111,13 +138,15 @@ class GoodputTracker:
         wall = self._clock() - self._start
         seconds = dict(self.seconds)
         seconds["other"] = max(0.0, wall - sum(v for k, v in seconds.items() if k != "other"))
-        return Goodput(wall_s=wall, seconds=seconds, steps=self.steps, lost_steps=self.lost_steps)
+        return Goodput(wall_s=wall, seconds=seconds, steps=self.steps, lost_steps=self.lost_steps,
+                       attempts=tuple(dict(a) for a in self.attempts))
 
     def finish(self) -> Goodput:
         wall = self._clock() - self._start
         known = sum(v for k, v in self.seconds.items() if k != "other")
         self.seconds["other"] = max(0.0, wall - known)
-        return Goodput(wall_s=wall, seconds=dict(self.seconds), steps=self.steps, lost_steps=self.lost_steps)
+        return Goodput(wall_s=wall, seconds=dict(self.seconds), steps=self.steps, lost_steps=self.lost_steps,
+                       attempts=tuple(dict(a) for a in self.attempts))
 
 
 class _Timer:

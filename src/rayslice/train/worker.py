@@ -118,6 +118,20 @@ def _json_safe(v: Any) -> Any:
     return json.loads(json.dumps(v, default=str))
 
 
+_MAX_STEPS_IN_FLIGHT = 4
+
+
+def _wait_until_ready(v: Any) -> None:
+    if isinstance(v, Mapping):
+        for x in v.values():
+            _wait_until_ready(x)
+    elif isinstance(v, list | tuple):
+        for x in v:
+            _wait_until_ready(x)
+    elif callable(getattr(v, "block_until_ready", None)):
+        v.block_until_ready()
+
+
 def _is_ready(v: Any) -> bool:
     if isinstance(v, Mapping):
         return all(_is_ready(x) for x in v.values())
@@ -248,6 +262,13 @@ def report(metrics: Mapping[str, Any], checkpoint: Any = None) -> None:
     s.last = end
     with s.lock:
         s.reports.append(record)
+        in_flight = [r["metrics"] for r in s.reports if not _is_ready(r["metrics"])]
+    if len(in_flight) > _MAX_STEPS_IN_FLIGHT:
+        # Bound how far the host runs ahead of its device: a loop that never
+        # reads a value would otherwise queue steps without limit, and on CPU
+        # every queued step with a cross-host collective holds a runtime thread
+        # until its peers arrive (enough of them deadlock the process).
+        _wait_until_ready(in_flight[0])
 
 
 def drain_reports() -> list[dict[str, Any]]:
@@ -276,6 +297,41 @@ def wait_for_checkpoints() -> float:
     return 0.0 if s._writer is None else s._writer.wait()
 
 
+def enable_compilation_cache(directory: str) -> bool:
+    """Points JAX's persistent compilation cache at ``directory`` for this process; False if it cannot.
+
+    Every program is cached (no minimum compile time or size), so the next
+    attempt of the run loads its programs instead of compiling them.
+    """
+    import jax
+
+    try:
+        if "://" not in directory:
+            import os
+
+            os.makedirs(directory, exist_ok=True)
+        jax.config.update("jax_compilation_cache_dir", directory)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+        from jax._src import compilation_cache
+
+        if compilation_cache.is_initialized():  # something compiled before: start over with the directory
+            compilation_cache.reset_cache()
+        return True
+    except Exception as e:  # reported once per process, never fails the run
+        global _CACHE_WARNED
+        if not _CACHE_WARNED:
+            _CACHE_WARNED = True
+            import logging
+
+            logging.getLogger(__name__).warning("JAX compilation cache %s not usable (%s): compiling from scratch",
+                                                directory, e)
+        return False
+
+
+_CACHE_WARNED = False
+
+
 def _takes_an_argument(fn: Callable[..., Any]) -> bool:
     import inspect
 
@@ -292,6 +348,8 @@ def run_worker(train_fn: Callable[..., Any], config: Any, ctx: TrainContext, inf
     import jax
 
     ctx = dataclasses.replace(ctx, local_device_count=jax.local_device_count())
+    if info.get("compilation_cache"):
+        enable_compilation_cache(info["compilation_cache"])
     _SESSION = session = _Session(ctx, info, shards)
     _context._set_current(ctx)
     phase = "step"

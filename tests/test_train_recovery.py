@@ -1,0 +1,239 @@
+"""Fast recovery: failure detection inside the gang (heartbeats, step deadline)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from rayslice.errors import GangError, InvalidArgument, Outcome
+from rayslice.train import FailureConfig
+from rayslice.train.goodput import GoodputTracker
+from rayslice.train.heartbeat import HeartbeatMonitor, HeartbeatPublisher, heartbeat_key, period_for
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _beat(seq: int, step: int, phase: str = "step") -> dict:
+    return {"seq": seq, "step": step, "phase": phase}
+
+
+# -- pure logic -----------------------------------------------------------------
+@given(silence=st.floats(0, 10), timeout=st.floats(0.2, 5))
+def test_a_host_is_lost_exactly_when_its_record_stops_changing_longer_than_the_timeout(silence, timeout):
+    clock = _Clock()
+    m = HeartbeatMonitor(2, timeout, None, clock=clock)
+    m.observe({0: _beat(1, 0), 1: _beat(1, 0)})
+    clock.t = silence
+    m.observe({0: _beat(2, 0), 1: _beat(1, 0)})  # rank 0 keeps beating, rank 1 is silent
+    v = m.check()
+    if silence > timeout:
+        assert v is not None and v.kind == "lost" and v.ranks == (1,) and v.silent_s == silence
+    else:
+        assert v is None
+
+
+def test_first_record_gets_a_grace_and_finished_hosts_are_never_lost():
+    clock = _Clock()
+    m = HeartbeatMonitor(2, 1.0, None, clock=clock)
+    clock.t = 5.0
+    assert m.check() is None  # no record yet: still starting (unpickling its arguments)
+    m.observe({0: _beat(1, 3), 1: _beat(1, 3, "done")})
+    clock.t = 7.0
+    m.finish(0)
+    assert m.check() is None  # rank 0 returned, rank 1 said "done"
+    clock.t = 60.0
+    assert HeartbeatMonitor(2, 1.0, None, clock=clock).check() is None  # a fresh monitor starts its own grace
+
+
+def test_step_deadline_finds_the_hung_hosts_but_not_the_first_step_or_the_final_wait():
+    clock = _Clock()
+    m = HeartbeatMonitor(2, 1.0, 3.0, start_step=4, clock=clock)
+    for t in range(0, 10):  # both alive; the first step of the attempt (compile) takes 10 s: not timed
+        clock.t = float(t)
+        m.observe({0: _beat(t + 1, 4), 1: _beat(t + 1, 4)})
+        assert m.check() is None
+    clock.t = 10.0
+    m.observe({0: _beat(20, 5), 1: _beat(20, 5)})
+    for t in range(11, 14):
+        clock.t = float(t)
+        m.observe({0: _beat(t + 20, 6), 1: _beat(t + 20, 5)})  # rank 1 stops progressing, still beating
+        assert m.check() is None
+    clock.t = 13.5
+    m.observe({0: _beat(40, 6), 1: _beat(40, 5)})
+    v = m.check()
+    assert v is not None and v.kind == "hung" and v.ranks == (1,)
+    assert v.step == 5 and "step_timeout_s=3" in v.message(1.0, 3.0)
+    clock.t = 20.0
+    m2 = HeartbeatMonitor(1, 1.0, 3.0, clock=clock)
+    m2.observe({0: _beat(1, 2, "finishing")})
+    clock.t = 30.0
+    m2.observe({0: _beat(2, 2, "finishing")})
+    assert m2.check() is None  # waiting for the last checkpoint is not a hung step
+
+
+def test_publisher_reports_an_unreachable_store_once_and_keeps_going(caplog):
+    calls = []
+
+    def put(key, value):
+        calls.append(value)
+        raise ConnectionError("GCS unreachable")
+
+    p = HeartbeatPublisher("k", 0.001, lambda: (1, "step"), put=put).start()
+    while len(calls) < 5:
+        p.beat()
+    p.stop()
+    assert len([r for r in caplog.records if "cannot be published" in r.getMessage()]) == 1
+    assert heartbeat_key("r", 1, 0) == "r/1/0" and period_for(1.0) == 0.25
+
+
+def test_failure_config_validates_detection_settings():
+    assert FailureConfig().heartbeat_timeout_s == 1.0 and FailureConfig().step_timeout_s is None
+    with pytest.raises(InvalidArgument, match="heartbeat_timeout_s=0.05"):
+        FailureConfig(heartbeat_timeout_s=0.05)
+    with pytest.raises(InvalidArgument, match="step_timeout_s=-1"):
+        FailureConfig(step_timeout_s=-1)
+
+
+def test_compilation_cache_is_under_the_run_by_default():
+    from rayslice.train import RunConfig
+
+    assert RunConfig().compilation_cache_dir("/r/run") == "/r/run/compile_cache"
+    assert RunConfig(compilation_cache=False).compilation_cache_dir("/r/run") is None
+    assert RunConfig(compilation_cache="gs://b/cache").compilation_cache_dir("/r/run") == "gs://b/cache"
+    with pytest.raises(InvalidArgument, match="compilation_cache=3"):
+        RunConfig(compilation_cache=3)
+    with pytest.raises(InvalidArgument, match="compilation_cache='ftp://x'"):
+        RunConfig(compilation_cache="ftp://x")
+
+
+def test_goodput_per_attempt_adds_up_to_the_run():
+    g = GoodputTracker(clock=iter([0.0, 20.0]).__next__)
+    for attempt in range(2):
+        g.begin_attempt()
+        g.add("startup", 1.0)
+        g.on_reports([{"step": 1, "step_s": 2.0 if attempt == 0 else 0.2, "stall_s": 0.0, "first": True},
+                      {"step": 2, "step_s": 1.0, "stall_s": 0.0, "first": False}])
+        if attempt == 0:
+            g.on_failure(None, unreported_s=1.0, detection_s=0.5)
+    out = g.finish()
+    assert [a["compile"] for a in out.attempts] == [2.0, 0.2]
+    assert out.attempts[0]["productive"] == 0.0 and out.attempts[0]["lost"] == 1.5
+    for k in ("startup", "compile", "productive", "lost", "detection"):
+        assert abs(sum(a[k] for a in out.attempts) - out.seconds[k]) < 1e-9
+    assert "attempt 2" in [c.header for c in out.table().columns]
+
+
+def test_detection_time_is_its_own_goodput_component():
+    g = GoodputTracker(clock=iter([0.0, 10.0]).__next__)
+    g.on_reports([{"step": 1, "step_s": 1.0, "stall_s": 0.0, "first": True},
+                  {"step": 2, "step_s": 1.0, "stall_s": 0.0, "first": False}])
+    g.on_failure(None, unreported_s=2.0, detection_s=1.5)
+    out = g.finish()
+    assert out.seconds["detection"] == 1.5 and out.seconds["lost"] == 1.0 + 0.5 and out.lost_steps == 2
+    assert abs(sum(out.seconds.values()) - out.wall_s) < 1e-9
+
+
+# -- on the simulator ----------------------------------------------------------
+@pytest.mark.ray
+@pytest.mark.slow
+def test_a_hung_host_is_found_by_the_step_deadline_and_the_run_restarts(ray_cluster, tmp_path):
+    from rayslice.train import JaxTrainer, RunConfig, ScalingConfig, UserCallback
+
+    from . import train_loops
+    from .test_train import _no_actors_left
+
+    class Seen(UserCallback):
+        errors: list = []
+
+        def after_exception(self, run_context, worker_exceptions):
+            self.errors.extend(worker_exceptions.values())
+
+    seen = Seen()
+    result = JaxTrainer(train_loops.hang_loop, train_loop_config={"steps": 5, "hang_at": 3},
+                        scaling_config=ScalingConfig(topology="2x2x2", accelerator_type="TPU-V4"),
+                        run_config=RunConfig(name="hung", storage_path=str(tmp_path), progress=False,
+                                             failure_config=FailureConfig(max_failures=1, step_timeout_s=2),
+                                             callbacks=[seen])).fit()
+    assert result.error is None, result.error
+    assert (result.attempts, result.failures, result.preemptions) == (2, 1, 0)
+    (err,) = seen.errors
+    assert isinstance(err, GangError) and err.outcome is Outcome.TIMEOUT and "hung" in str(err)
+    assert "worker 1" in str(err)
+    assert result.metrics == {"step_done": 5, "attempt": 2}
+    assert result.goodput.seconds["detection"] >= 0 and result.goodput.seconds["lost"] > 0
+    assert _no_actors_left() == []
+
+
+_PRODUCTION = textwrap.dedent("""
+    import json, os, sys, time
+    sys.path.insert(0, {root!r})
+    import ray
+    import rayslice
+    from rayslice.sim import SimulatedCluster, SliceSpec
+    from rayslice.train import FailureConfig, JaxTrainer, RunConfig, ScalingConfig, UserCallback
+    from tests import train_loops
+
+    out = {{}}
+    with SimulatedCluster([SliceSpec("TPU-V4", "2x2x2", name="prod-a"), SliceSpec("TPU-V4", "2x2x2", name="prod-b")],
+                          health_check="production", head_cpus=1) as sim:
+        class Chaos(UserCallback):
+            def after_exception(self, run_context, worker_exceptions):
+                out["detected_after_s"] = time.monotonic() - out["killed_at"]
+                alive = {{n["NodeID"] for n in ray.nodes() if n["Alive"]}}
+                out["ray_still_lists_it_alive"] = out["node"] in alive
+                out["error"] = [str(e) for e in worker_exceptions.values()]
+
+        def kill(report):
+            if report["step"] >= 3 and "node" not in out:
+                busy = [s for s in rayslice.list_slices() if s.state == "busy"][0]
+                out["first_slice"] = busy.name
+                out["node"] = sim.slices[busy.name].hosts[1].node_id
+                out["killed_at"] = time.monotonic()
+                sim.preempt_host(busy.name, 1, wait=False)
+            elif report["attempt"] == 2 and "second_slice" not in out:
+                out["second_slice"] = [s.name for s in rayslice.list_slices() if s.state == "busy"]
+                out["recovered_after_s"] = time.monotonic() - out["killed_at"]
+
+        r = JaxTrainer(train_loops.regression_loop, train_loop_config={{"rows": 96, "every": 2, "sleep_s": 0.1}},
+                       scaling_config=ScalingConfig(topology="2x2x2", accelerator_type="TPU-V4"),
+                       run_config=RunConfig(name="prod", storage_path={path!r}, progress=False,
+                                            failure_config=FailureConfig(max_preemptions=1),
+                                            callbacks=[kill, Chaos()])).fit()
+        out.update(result_error=str(r.error) if r.error else None, preemptions=r.preemptions,
+                   steps=sorted({{h["step"] for h in r.metrics_history}}), detection_s=r.goodput.seconds["detection"],
+                   compile_s=[a["compile"] for a in r.goodput.attempts], cache=os.listdir(r.path + "/compile_cache"),
+                   groups=[g["name"] for g in ray.util.placement_group_table().values() if g["state"] != "REMOVED"])
+    print(json.dumps(out))
+""")
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_a_dead_host_is_detected_before_ray_declares_its_node_dead(tmp_path):
+    # Its own cluster, with Ray's production health-check timing (in a subprocess:
+    # this process may be connected to the session cluster).
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = _PRODUCTION.format(root=root, path=str(tmp_path))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["result_error"] is None and out["preemptions"] == 1
+    assert out["ray_still_lists_it_alive"] is True  # found by heartbeats, not by Ray's node health checks
+    assert "stopped sending heartbeats" in out["error"][0] and "worker 1" in out["error"][0]
+    assert out["second_slice"] != [out["first_slice"]]  # the next attempt avoided the slice of the dead host
+    assert out["steps"] == list(range(1, 13)) and out["detection_s"] > 0
+    assert out["groups"] == []
+    assert len(out["compile_s"]) == 2 and out["cache"]  # the restart read JAX's persistent compilation cache
