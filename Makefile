@@ -4,8 +4,10 @@ PYTHON ?= python3.11
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+# Extra arguments for `rayslice demo`, e.g. `make demo DEMO_ARGS=--verbose`.
+DEMO_ARGS ?=
 
-.PHONY: demo test test-fast bench install clean
+.PHONY: demo test test-fast lint wheel-smoke bench install clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -16,17 +18,29 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/rayslice demo
+	$(BIN)/rayslice demo $(DEMO_ARGS)
 
+# The whole suite, with the doctests of every module (pyproject's pytest config).
 test: $(STAMP)
 	$(BIN)/pytest
 
-# Pure tests only (no Ray cluster): seconds.
+# Pure tests and doctests only (no Ray cluster): seconds.
 test-fast: $(STAMP)
 	$(BIN)/pytest -m "not ray"
+
+# Lint, format check and type check, as CI runs them.
+lint: $(STAMP)
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff format --check src tests benchmarks
+	$(BIN)/mypy src/rayslice
+
+# Build sdist + wheel, install the wheel in a fresh virtualenv outside the
+# checkout, run the installed CLI (starts a simulated cluster: Ray).
+wheel-smoke: $(STAMP)
+	PYTHON=$(BIN)/python BASE_PYTHON=$(PYTHON) .ci/wheel-smoke.sh
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/run.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build dist src/*.egg-info

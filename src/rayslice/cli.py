@@ -26,17 +26,18 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.console import Console
 
 from rayslice._deadline import Deadline
+from rayslice._tables import make_console
 from rayslice.errors import RaysliceError
 
 app = typer.Typer(no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False,
                   help="Run JAX workloads on whole accelerator slices with Ray.")
 sim_app = typer.Typer(no_args_is_help=True, help="A simulated TPU cluster on this machine.")
 app.add_typer(sim_app, name="sim")
-console = Console()
-err = Console(stderr=True)
+# Not cut to 80 columns when piped or logged (see rayslice._tables.make_console).
+console = make_console()
+err = make_console(stderr=True)
 
 
 _CONNECT_TIMEOUT_S = 30.0
@@ -233,6 +234,7 @@ def sim_up(
     head_cpus: int = 2,
     dashboard: Annotated[bool, typer.Option(help="Start Ray's dashboard.")] = False,
     timeout_s: Annotated[float, typer.Option(help="Deadline for a detached start.")] = 180.0,
+    verbose: Annotated[bool, typer.Option(help="Show everything Ray prints (INFO logs, worker logs).")] = False,
 ) -> None:
     """Start a simulated TPU cluster and print the address to connect to."""
     from rayslice.sim import SliceSpec
@@ -248,17 +250,18 @@ def sim_up(
         raise RaysliceError(f"a simulated cluster is already running (pid {state['pid']}, {state['address']}); "
                             "run `rayslice sim down` first")
     if detach:
-        _detach(slice_, head_cpus, dashboard, timeout_s)
+        _detach(slice_, head_cpus, dashboard, timeout_s, verbose=verbose)
         return
-    _run_foreground(specs, head_cpus, dashboard)
+    _run_foreground(specs, head_cpus, dashboard, verbose=verbose)
 
 
-def _detach(slices: list[str], head_cpus: int, dashboard: bool, timeout_s: float) -> None:
+def _detach(slices: list[str], head_cpus: int, dashboard: bool, timeout_s: float, *, verbose: bool = False) -> None:
     _home().mkdir(parents=True, exist_ok=True)
     _state_file().unlink(missing_ok=True)
     log = _home() / "sim.log"
     cmd = [sys.executable, "-m", "rayslice.cli", "sim", "up", f"--head-cpus={head_cpus}"]
     cmd += ["--dashboard"] if dashboard else []
+    cmd += ["--verbose"] if verbose else []
     for s in slices:
         cmd += ["--slice", s]
     with open(log, "w") as out:
@@ -281,7 +284,7 @@ def _detach(slices: list[str], head_cpus: int, dashboard: bool, timeout_s: float
     console.print(f"address: [bold]{state['address']}[/bold]  (pid {proc.pid}; stop with `rayslice sim down`)")
 
 
-def _run_foreground(specs: list, head_cpus: int, dashboard: bool) -> None:
+def _run_foreground(specs: list, head_cpus: int, dashboard: bool, *, verbose: bool = False) -> None:
     from rayslice._tables import slices_table
     from rayslice.cluster import list_slices
     from rayslice.sim import SimulatedCluster
@@ -289,7 +292,7 @@ def _run_foreground(specs: list, head_cpus: int, dashboard: bool) -> None:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, lambda *_: stop.set())
-    sim = SimulatedCluster(specs, head_cpus=head_cpus, include_dashboard=dashboard)
+    sim = SimulatedCluster(specs, head_cpus=head_cpus, include_dashboard=dashboard, verbose=verbose)
     with err.status(f"starting {sum(s.topology_info.num_hosts for s in specs)} simulated host(s)"):
         sim.start()
     try:
@@ -384,11 +387,14 @@ def k8s(
 
 
 @app.command()
-def demo() -> None:
+def demo(
+    verbose: Annotated[bool, typer.Option(help="Also show everything Ray prints (INFO logs, Ray Data progress, "
+                                               "worker logs, raylet crash dumps).")] = False,
+) -> None:
     """Walk through rayslice on an embedded simulated cluster."""
     from rayslice.demo import run_demo
 
-    run_demo(console)
+    run_demo(console, verbose=verbose)
 
 
 def main() -> None:

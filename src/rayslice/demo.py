@@ -16,6 +16,11 @@ running on this machine:
    ``batch_predict`` (``iter_jax_batches`` on every host of a slice);
 9. serve the trained model with Ray Serve on a whole slice and query it over HTTP;
 10. summary, shut down, no Ray process left.
+
+The output reads as a story when piped or logged (``rayslice demo > log``):
+Ray's own INFO logs, Ray Data progress and the raylet crash dump of the
+simulated preemption stay out of it (one line says what happened);
+``verbose=True`` (``rayslice demo --verbose``) shows everything.
 """
 
 from __future__ import annotations
@@ -95,15 +100,19 @@ def _show_metrics(console: Console) -> str:
             break
         deadline.sleep_or_raise(1.0, "waiting for metrics")
     names = sorted({s.split("{", 1)[0] for s in series})
-    console.print(f"{len(series)} rayslice series on the nodes' Prometheus endpoints (e.g. {where}): {', '.join(names)}")
+    console.print(
+        f"{len(series)} rayslice series on the nodes' Prometheus endpoints (e.g. {where}): {', '.join(names)}"
+    )
     for s in series:
         if s.startswith(("ray_rayslice_goodput_fraction", "ray_rayslice_step_time_seconds")):
             name, rest = s.split("{", 1)
             labels = re.findall(r'(\w+)="([^"]*)"', rest.rsplit("}", 1)[0])
             shown = ",".join(f'{k}="{v}"' for k, v in labels if k in ("run", "slice", "worker_id", "component"))
             console.print(f"  {name}{{{shown}}} {float(s.rsplit(' ', 1)[1]):.4g}")
-    return (f"{len(series)} series (ray_rayslice_*) on each node's Prometheus endpoint, e.g. {where}; "
-            "Grafana: observability/grafana-dashboard.json")
+    return (
+        f"{len(series)} series (ray_rayslice_*) on each node's Prometheus endpoint, e.g. {where}; "
+        "Grafana: observability/grafana-dashboard.json"
+    )
 
 
 def _leftover_processes() -> list[str]:
@@ -132,8 +141,11 @@ def _serve(console: Console, checkpoint_path: str, preds: Any) -> str:
     _step(console, 10, "Serve the trained model on a whole slice (Ray Serve) and query it over HTTP")
     port = slice_serve.start_http()
     try:
-        dep = slice_serve.deployment(accelerator_type="TPU-V4", accelerator_config={"type": "tpu", "topology": "2x2x2"},
-                                     input_spec={"x": ((_demo_model.FEATURES,), "float32")})(_demo_model.Regressor)
+        dep = slice_serve.deployment(
+            accelerator_type="TPU-V4",
+            accelerator_config={"type": "tpu", "topology": "2x2x2"},
+            input_spec={"x": ((_demo_model.FEATURES,), "float32")},
+        )(_demo_model.Regressor)
         t0 = time.monotonic()
         with console.status("deploying: reserve a slice, start 2 host processes, restore the checkpoint"):
             serve.run(dep.bind(checkpoint_path), name="regressor", route_prefix="/regressor")
@@ -149,8 +161,10 @@ def _serve(console: Console, checkpoint_path: str, preds: Any) -> str:
         ms = 1000 * (time.monotonic() - t0)
         r.raise_for_status()
         got = r.json()["outputs"]["y"]
-        console.print(f"POST /regressor {len(x)} rows -> {[round(v, 3) for v in got]} in {ms:.0f} ms "
-                      f"(labels {[round(float(v), 3) for v in rows['y']]})")
+        console.print(
+            f"POST /regressor {len(x)} rows -> {[round(v, 3) for v in got]} in {ms:.0f} ms "
+            f"(labels {[round(float(v), 3) for v in rows['y']]})"
+        )
         bad = requests.post(f"http://127.0.0.1:{port}/regressor", data=b"{oops", timeout=30)
         console.print(f"malformed JSON -> HTTP {bad.status_code}: {bad.json()['error']}")
         return f"HTTP on a 2-host slice, {len(x)} rows answered in {ms:.0f} ms, bad input -> {bad.status_code}"
@@ -162,8 +176,14 @@ def _step(console: Console, n: int, text: str) -> None:
     console.rule(f"[bold]{n}. {text}")
 
 
-def run_demo(console: Console) -> None:
-    """Runs the demo end to end; raises on any failure."""
+def run_demo(console: Console, *, verbose: bool = False) -> None:
+    """Runs the demo end to end; raises on any failure.
+
+    Args:
+        console: Where the story goes (see :func:`rayslice._tables.make_console`).
+        verbose: Also show everything Ray prints (INFO logs, Ray Data progress,
+            worker logs, raylet crash dumps); by default they stay in Ray's log files.
+    """
     import ray
 
     import rayslice
@@ -172,7 +192,7 @@ def run_demo(console: Console) -> None:
     t_start = time.monotonic()
     specs = [SliceSpec(gen, shape, name=name) for gen, shape, name in SLICES]
     _step(console, 1, "Start a simulated TPU cluster (real multi-node Ray on this machine)")
-    sim = SimulatedCluster(specs)
+    sim = SimulatedCluster(specs, verbose=verbose)
     with console.status(f"starting head + {sum(s.topology_info.num_hosts for s in specs)} simulated hosts"):
         sim.start()
     try:
@@ -183,23 +203,29 @@ def run_demo(console: Console) -> None:
 
         _step(console, 3, "One JAX process per host, every host of both slices")
         with console.status("reserving both slices and starting 4 JAX processes"):
-            reports = rayslice.run_on_slice(_host_report, topology="2x2x2", accelerator_type="TPU-V4",
-                                            num_slices=2, timeout_s=60)
+            reports = rayslice.run_on_slice(
+                _host_report, topology="2x2x2", accelerator_type="TPU-V4", num_slices=2, timeout_s=60
+            )
         for r in reports:
-            console.print(f"  {r['slice']} worker {r['worker']} (TPU_WORKER_ID={r['TPU_WORKER_ID']}): "
-                          f"rank {r['rank']}, {r['local']} local {r['platform']} devices, {r['global']} global")
+            console.print(
+                f"  {r['slice']} worker {r['worker']} (TPU_WORKER_ID={r['TPU_WORKER_ID']}): "
+                f"rank {r['rank']}, {r['local']} local {r['platform']} devices, {r['global']} global"
+            )
 
         _step(console, 4, "Reserve a whole slice while a host of slice-a is busy, then psum across its hosts")
         blocker = ray.util.placement_group(
-            [{"TPU": 4}], bundle_label_selector=[{"ray.io/tpu-slice-name": "slice-a", "ray.io/tpu-worker-id": "1"}])
+            [{"TPU": 4}], bundle_label_selector=[{"ray.io/tpu-slice-name": "slice-a", "ray.io/tpu-worker-id": "1"}]
+        )
         ray.get(blocker.ready(), timeout=30)
         try:
             console.print(rayslice.explain("2x2x2", "TPU-V4").explain())
             t0 = time.monotonic()
             with rayslice.slice_placement_group("2x2x2", "TPU-V4", timeout_s=60, name="demo") as spg:
                 got = spg.slices[0]
-                console.print(f"reserved [bold]{got.name}[/bold] in {1000 * (time.monotonic() - t0):.0f} ms; "
-                              f"bundles -> worker ids {[h.worker_id for h in got.hosts]}")
+                console.print(
+                    f"reserved [bold]{got.name}[/bold] in {1000 * (time.monotonic() - t0):.0f} ms; "
+                    f"bundles -> worker ids {[h.worker_id for h in got.hosts]}"
+                )
                 with rayslice.SliceGang(spg, init_timeout_s=60) as gang:
                     sums = gang.run(_psum, timeout_s=60)
                 hosts, devs = spg.topology.num_hosts, spg.topology.devices_per_host
@@ -241,8 +267,9 @@ def _train_and_infer(console: Console, sim: Any) -> dict[str, str]:
     rows = 4096
     ds = ray.data.range(rows).map_batches(_demo_model.make_features)
     train_ds, test_ds = ds.train_test_split(test_size=0.25, seed=0)
-    console.print(f"{rows} rows -> train {train_ds.count()}, test {test_ds.count()} "
-                  f"(columns: {', '.join(ds.schema().names)})")
+    console.print(
+        f"{rows} rows -> train {train_ds.count()}, test {test_ds.count()} (columns: {', '.join(ds.schema().names)})"
+    )
 
     _step(console, 7, "Train on a 2-host slice; one host is preempted mid-run")
     preempted: list[str] = []
@@ -251,7 +278,7 @@ def _train_and_infer(console: Console, sim: Any) -> dict[str, str]:
         if report["step"] >= 30 and not preempted:
             busy = [s.name for s in rayslice.list_slices() if s.state == "busy"]
             preempted.append(busy[0])
-            console.print(f"[yellow]>>> preempting host 1 of {busy[0]} at step {report['step']}[/yellow]")
+            console.print(f"[yellow]>>> host 1 of {busy[0]} preempted (simulated) at step {report['step']}[/yellow]")
             sim.preempt_host(busy[0], 1, wait=False)
 
     storage = tempfile.mkdtemp(prefix="rayslice-demo-")
@@ -259,18 +286,27 @@ def _train_and_infer(console: Console, sim: Any) -> dict[str, str]:
         _demo_model.train_loop,
         train_loop_config={"lr": 3e-3, "batch_size": 32, "every": 8, "step_delay_s": 0.03},
         scaling_config=ScalingConfig(topology="2x2x2", accelerator_type="TPU-V4"),
-        run_config=RunConfig(name="demo", storage_path=storage, callbacks=[preempt_once],
-                             checkpoint_config=CheckpointConfig(num_to_keep=2),
-                             failure_config=FailureConfig(max_preemptions=3)),
+        run_config=RunConfig(
+            name="demo",
+            storage_path=storage,
+            callbacks=[preempt_once],
+            checkpoint_config=CheckpointConfig(num_to_keep=2),
+            failure_config=FailureConfig(max_preemptions=3),
+        ),
         datasets={"train": train_ds},
         console=console,
     )
     result = trainer.fit()
     if result.error is not None:
         raise RuntimeError(f"training failed: {result.error}")
+    if result.checkpoint is None or not result.metrics:
+        raise RuntimeError("training finished without a checkpoint or metrics")
+    checkpoint = result.checkpoint.path
     first, last = result.metrics_history[0]["loss"], result.metrics["loss"]
-    console.print(f"trained {result.goodput.steps} steps: loss {first:.3f} -> {last:.3f}; "
-                  f"{result.preemptions} preemption(s), {result.attempts} attempts; checkpoint {result.checkpoint.path}")
+    console.print(
+        f"trained {result.goodput.steps} steps: loss {first:.3f} -> {last:.3f}; "
+        f"{result.preemptions} preemption(s), {result.attempts} attempts; checkpoint {checkpoint}"
+    )
 
     metrics_line = _show_metrics(console)
 
@@ -283,18 +319,30 @@ def _train_and_infer(console: Console, sim: Any) -> dict[str, str]:
     _step(console, 9, "Batch inference over every test row with batch_predict (iter_jax_batches on each host)")
     t0 = time.monotonic()
     out = rayslice.batch_predict(
-        test_ds, _demo_model.predict, setup=functools.partial(_demo_model.load_params, result.checkpoint.path),
-        topology="2x2x2", accelerator_type="TPU-V4", batch_size=64, input_columns=["x"], keep_columns=["id", "y"])
+        test_ds,
+        _demo_model.predict,
+        setup=functools.partial(_demo_model.load_params, checkpoint),
+        topology="2x2x2",
+        accelerator_type="TPU-V4",
+        batch_size=64,
+        input_columns=["x"],
+        keep_columns=["id", "y"],
+    )
     preds = out.to_pandas()
     mse = float(((preds["prediction"] - preds["y"]) ** 2).mean())
-    console.print(f"{len(preds)} predictions (of {test_ds.count()} rows, none padded) in {time.monotonic() - t0:.1f} s; "
-                  f"test MSE {mse:.4f} (variance of y: {float(preds['y'].var()):.4f})")
-    served = _serve(console, result.checkpoint.path, preds)
+    console.print(
+        f"{len(preds)} predictions (of {test_ds.count()} rows, none padded) "
+        f"in {time.monotonic() - t0:.1f} s; "
+        f"test MSE {mse:.4f} (variance of y: {float(preds['y'].var()):.4f})"
+    )
+    served = _serve(console, checkpoint, preds)
     g = result.goodput
-    return {"training": f"{g.steps} steps, loss {first:.3f} -> {last:.3f}, {result.preemptions} preemption recovered",
-            "goodput": f"{100 * g.fraction:.1f}% productive of {g.wall_s:.1f} s "
-                       f"(lost work {g.seconds['lost']:.1f} s, {g.lost_steps} steps recomputed)",
-            "batch inference": f"{len(preds)} rows, test MSE {mse:.4f}",
-            "serving": served,
-            "metrics": metrics_line,
-            "checkpoint": result.checkpoint.path}
+    return {
+        "training": f"{g.steps} steps, loss {first:.3f} -> {last:.3f}, {result.preemptions} preemption recovered",
+        "goodput": f"{100 * g.fraction:.1f}% productive of {g.wall_s:.1f} s "
+        f"(lost work {g.seconds['lost']:.1f} s, {g.lost_steps} steps recomputed)",
+        "batch inference": f"{len(preds)} rows, test MSE {mse:.4f}",
+        "serving": served,
+        "metrics": metrics_line,
+        "checkpoint": checkpoint,
+    }

@@ -10,6 +10,14 @@ hand, so whatever passes on the simulator sees the same cluster shape as a real
 one. JAX processes on a host see ``devices_per_host`` CPU devices through
 ``--xla_force_host_platform_device_count``.
 
+Output: by default (``verbose=False``) Ray's own chatter stays out of the
+driver's output and in the session's log files: INFO logs of Ray Core, Ray
+Data (progress) and Serve are raised to WARNING on the console, worker logs
+are not forwarded, and the raylet crash dumps and "node marked dead" notices
+that a simulated preemption causes are replaced by one line
+(``host 1 of slice-a preempted (simulated)``, logged on ``rayslice.sim``).
+``verbose=True`` shows everything Ray prints.
+
 Example:
     >>> from rayslice.sim import SimulatedCluster, SliceSpec
     >>> with SimulatedCluster([SliceSpec("TPU-V4", "2x2x2")]) as sim:  # doctest: +SKIP
@@ -19,7 +27,9 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
+import logging
 import os
 import re
 import shutil
@@ -29,7 +39,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from rayslice._deadline import Deadline
-from rayslice._validate import check_instance, check_int, check_optional, fail
+from rayslice._validate import check_choice, check_instance, check_int, check_optional, fail
 from rayslice.errors import InvalidArgument
 from rayslice.topology import Topology
 
@@ -45,9 +55,17 @@ _SIM_SYSTEM_CONFIG: dict[str, Any] = {
     "metrics_report_interval_ms": 1000,
 }
 
-_SLICE_ARG = re.compile(
-    r"^(?P<gen>[A-Za-z0-9_-]+?):(?P<topo>[0-9xX]+)(?::(?P<cph>\d+))?(?:@(?P<name>[a-z0-9-]+))?$"
-)
+logger = logging.getLogger(__name__)
+
+# Loggers whose INFO output (progress, "connected", "deployed") is quieted on the
+# console unless verbose; Ray Data keeps writing everything to its session log file.
+_QUIET_LOGGERS = ("ray", "ray.data", "ray.serve", "ray.train", "ray.tune")
+# A raylet log line: "[2026-11-30 21:52:56,617 I 21210 21210] (raylet) ..." -> pid 21210.
+_RAYLET_LOG_PID = re.compile(r"\[\d{4}-\d\d-\d\d [\d:,.]+ [DIWEF] (\d+) \d+\]")
+_WORKER_NODE = re.compile(r"Node ID: ([0-9a-f]{8})")
+_WORKER_PID = re.compile(r"Worker PID: (\d+)")
+
+_SLICE_ARG = re.compile(r"^(?P<gen>[A-Za-z0-9_-]+?):(?P<topo>[0-9xX]+)(?::(?P<cph>\d+))?(?:@(?P<name>[a-z0-9-]+))?$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,8 +96,9 @@ class SliceSpec:
         check_optional(check_int, "chips_per_host", self.chips_per_host, minimum=1)
         topo = Topology.parse(self.topology, self.accelerator_type, chips_per_host=self.chips_per_host)
         object.__setattr__(self, "_topology", topo)
-        if self.name is not None and (not isinstance(self.name, str)
-                                      or not re.fullmatch(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?", self.name)):
+        if self.name is not None and (
+            not isinstance(self.name, str) or not re.fullmatch(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?", self.name)
+        ):
             raise InvalidArgument(f"slice name {self.name!r} is not valid; use lowercase letters, digits and '-'")
         check_int("cpus_per_host", self.cpus_per_host)
         if self.cpus_per_host < 1:
@@ -113,8 +132,7 @@ class SliceSpec:
 def _specs(slices: object) -> list[SliceSpec]:
     """SliceSpecs, or their CLI strings ("v4:2x2x2"), validated before anything starts."""
     if isinstance(slices, SliceSpec | str) or not isinstance(slices, Sequence):
-        raise fail("slices", slices, "a list of SliceSpec or 'GEN:TOPOLOGY' strings, e.g. ['v4:2x2x2']",
-                   got_type=True)
+        raise fail("slices", slices, "a list of SliceSpec or 'GEN:TOPOLOGY' strings, e.g. ['v4:2x2x2']", got_type=True)
     out = []
     for item in slices:
         if isinstance(item, str):
@@ -199,7 +217,13 @@ class SimulatedCluster:
         dashboard_port: Explicit dashboard port (0 lets the OS choose).
         metrics_export_port: Explicit Prometheus port of the head node.
         temp_dir: Root for Ray's session files; a private temp dir by default.
-        log_to_driver: Forward worker logs to this process.
+        log_to_driver: Forward worker logs to this process (default: ``verbose``).
+        verbose: Show everything Ray prints (INFO logs, Ray Data progress,
+            raylet crash dumps). Default: quiet, see the module docstring.
+        health_check: "fast" (default): a killed host's node is declared dead
+            in about 1.5 s; "production": Ray's default node health-check
+            timing (about 15-30 s), as on a real cluster, so that failure
+            detection that does not rely on it can be tested.
         clock: Monotonic clock, injectable for tests.
 
     Example:
@@ -218,7 +242,9 @@ class SimulatedCluster:
         dashboard_port: int = 0,
         metrics_export_port: int | None = None,
         temp_dir: str | None = None,
-        log_to_driver: bool = False,
+        log_to_driver: bool | None = None,
+        verbose: bool = False,
+        health_check: str = "fast",
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         check_int("object_store_mb", object_store_mb)
@@ -234,7 +260,10 @@ class SimulatedCluster:
         self._metrics_export_port = metrics_export_port
         self._own_temp = temp_dir is None
         self._temp_dir = temp_dir
-        self._log_to_driver = log_to_driver
+        self._verbose = bool(verbose)
+        self._health_check = check_choice("health_check", health_check, ("fast", "production"))
+        self._log_to_driver = self._verbose if log_to_driver is None else log_to_driver
+        self._quiet: _QuietRay | None = None
         self._clock = clock
         self._cluster: Any = None
         self._slices: dict[str, SimSlice] = {}
@@ -266,7 +295,11 @@ class SimulatedCluster:
             include_dashboard=self._include_dashboard,
             dashboard_host="127.0.0.1",
             dashboard_port=self._dashboard_port if self._include_dashboard else None,
-            _system_config=_SIM_SYSTEM_CONFIG,
+            _system_config=(
+                _SIM_SYSTEM_CONFIG
+                if self._health_check == "fast"
+                else {k: v for k, v in _SIM_SYSTEM_CONFIG.items() if not k.startswith("health_check")}
+            ),
         )
         if self._metrics_export_port is not None:
             head_args["metrics_export_port"] = self._metrics_export_port
@@ -276,7 +309,13 @@ class SimulatedCluster:
             for spec in self._specs:
                 self._start_slice(spec)
             if self._connect:
-                ray.init(address=self.address, log_to_driver=self._log_to_driver)
+                if not self._verbose:
+                    self._quiet = _QuietRay(self._temp_dir).install()
+                ray.init(
+                    address=self.address,
+                    log_to_driver=self._log_to_driver,
+                    logging_level=logging.INFO if self._verbose else logging.WARNING,
+                )
         except BaseException:
             self.shutdown()
             raise
@@ -289,6 +328,9 @@ class SimulatedCluster:
 
         if ray.is_initialized():
             ray.shutdown()
+        if self._quiet is not None:
+            self._quiet.restore()
+            self._quiet = None
         if self._cluster is not None:
             with contextlib.suppress(Exception):
                 self._cluster.shutdown()
@@ -368,9 +410,7 @@ class SimulatedCluster:
     def _host(self, slice_name: str, worker_id: int) -> SimHost:
         s = self._slice(slice_name)
         if not 0 <= worker_id < len(s.hosts):
-            raise ValueError(
-                f"worker_id {worker_id} is not in slice {slice_name!r}; valid: 0..{len(s.hosts) - 1}"
-            )
+            raise ValueError(f"worker_id {worker_id} is not in slice {slice_name!r}; valid: 0..{len(s.hosts) - 1}")
         host = s.hosts[worker_id]
         if not host.alive:
             raise ValueError(f"host {worker_id} of slice {slice_name!r} is already down")
@@ -407,8 +447,12 @@ class SimulatedCluster:
         import ray
 
         for host in hosts:
+            if self._quiet is not None:
+                mates = [h.node_id for h in self._slices[host.slice_name].hosts if h is not host]
+                self._quiet.expect_death(host.node_id, _raylet_pid(host.node), slice_mates=mates)
             self._cluster.remove_node(host.node, allow_graceful=False)
             host.alive = False
+            logger.info("host %d of %s preempted (simulated)", host.worker_id, host.slice_name)
         if not wait:
             return
         dead = {h.node_id for h in hosts}
@@ -418,3 +462,168 @@ class SimulatedCluster:
             if not dead & alive:
                 return
             deadline.sleep_or_raise(0.1, f"nodes {sorted(dead & alive)} still alive after kill")
+
+
+def _raylet_pid(node: Any) -> int | None:
+    try:
+        from ray._private import ray_constants
+
+        return int(node.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process.pid)
+    except (AttributeError, KeyError, IndexError, TypeError, ImportError):
+        return None
+
+
+class _WarningsOnly(logging.Filter):
+    """Lets warnings and errors through, nothing below."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING
+
+
+class _QuietRay:
+    """Keeps Ray's own chatter out of this driver's console; :meth:`restore` undoes it.
+
+    - INFO logs of Ray Core, Serve, Train go to WARNING (``ray.init`` gets
+      ``logging_level=WARNING``; the others are set here);
+    - Ray Data keeps logging everything to its session file ``ray-data.log`` but
+      only warnings to the console (its own ``RAY_DATA_LOGGING_CONFIG`` hook),
+      so no progress or "execution plan" lines;
+    - error notices Ray pushes to every driver about nodes this simulator killed
+      on purpose (the raylet's "terminated unexpectedly" dump with its last 20 log
+      lines, "node marked dead", "a worker died" there and on the other hosts of
+      that slice) are dropped: the simulator logs one line instead; other
+      notices are cut to one short line.
+    """
+
+    def __init__(self, temp_dir: str | None) -> None:
+        self._temp_dir = temp_dir or tempfile.gettempdir()
+        self._levels: dict[str, int] = {}
+        self._env_before: str | None = None
+        self._env_set = False
+        self._patched: Any = None
+        self._original: Any = None
+        self._dead_nodes: set[str] = set()
+        self._dead_pids: set[int] = set()
+        self._mates: set[str] = set()
+        self._serve_filter = _WarningsOnly()
+
+    def expect_death(self, node_id: str, raylet_pid: int | None, slice_mates: Sequence[str] = ()) -> None:
+        """This node is being killed on purpose: its death notices are not news.
+
+        Neither are the deaths of the gang processes on its ``slice_mates``
+        (the other hosts of its slice): a multi-host JAX program ends on every
+        host when one host goes, and rayslice reports that as a preemption.
+        """
+        self._dead_nodes.add(node_id)
+        self._mates.update(slice_mates)
+        if raylet_pid is not None:
+            self._dead_pids.add(raylet_pid)
+
+    def install(self) -> _QuietRay:
+        for name in _QUIET_LOGGERS[2:]:
+            log = logging.getLogger(name)
+            self._levels[name] = log.level
+            log.setLevel(logging.WARNING)
+        # `import ray.serve` resets its logger's level and handlers, but keeps its filters.
+        logging.getLogger("ray.serve").addFilter(self._serve_filter)
+        self._quiet_ray_data()
+        import ray._private.worker as ray_worker
+
+        original = ray_worker.print_to_stdstream
+
+        def filtered(data: dict[str, Any], ignore_prefix: bool) -> None:
+            if data.get("pid") == "raylet":
+                lines = [short for line in data.get("lines", []) if (short := self.summarize(line))]
+                if not lines:
+                    return
+                data = {**data, "lines": lines}
+            original(data, ignore_prefix)
+
+        ray_worker.print_to_stdstream = filtered
+        self._patched, self._original = filtered, original
+        return self
+
+    def summarize(self, message: str) -> str | None:
+        """None for a notice about a node killed on purpose, else one short line.
+
+        A notice is about such a node when it names the node's id, or when it
+        is a raylet's termination dump whose log tail shows that raylet's pid
+        (or no pid at all) after the simulator killed a node.
+
+        >>> q = _QuietRay(None)
+        >>> q.expect_death("ab12", 4242)
+        >>> tail = "Last 20 lines:" + chr(10) + "    [2026-01-01 00:00:00,1 I {0} {0}] (raylet) ..."
+        >>> q.summarize("Raylet is terminated. " + tail.format(4242)) is None
+        True
+        >>> q.summarize("The node with node id: ab12 and address: 1.2.3.4 has been marked dead") is None
+        True
+        >>> q.summarize("The node with node id: cd34 and address: 1.2.3.4 has been marked dead")
+        'The node with node id: cd34 and address: 1.2.3.4 has been marked dead'
+        >>> q.summarize("Raylet is terminated. " + tail.format(7))
+        'a raylet terminated unexpectedly (its log tail: verbose=True, or raylet.out in the session logs)'
+        >>> died = "A worker died or was killed ... Node ID: 0123456789abcdef Worker PID: 77 Worker exit ..."
+        >>> q.summarize(died).startswith("a worker died unexpectedly (node 01234567, pid 77); details: verbose=True")
+        True
+        """
+        if any(node in message for node in self._dead_nodes):
+            return None  # "node ... marked dead", "a worker died" on a node killed on purpose
+        if message.startswith("A worker died") and any(node in message for node in self._mates):
+            return None  # a gang process on the rest of a slice that lost a host
+        if message.startswith("Raylet is terminated") and self._dead_nodes:
+            # The dump's log tail names its raylet's pid, unless it is all state-dump lines.
+            pids = {int(pid) for pid in _RAYLET_LOG_PID.findall(message)}
+            if not pids or pids & self._dead_pids:
+                return None
+        if message.startswith("Raylet is terminated"):
+            return "a raylet terminated unexpectedly (its log tail: verbose=True, or raylet.out in the session logs)"
+        if message.startswith("A worker died"):
+            node, pid = _WORKER_NODE.search(message), _WORKER_PID.search(message)
+            where = ", ".join(x for x in (node and f"node {node.group(1)}", pid and f"pid {pid.group(1)}") if x)
+            return (
+                f"a worker died unexpectedly{f' ({where})' if where else ''}; "
+                "details: verbose=True, or the worker's log in the session logs"
+            )
+        first = message.strip().splitlines()[0] if message.strip() else ""
+        return first[:300] or None
+
+    def _quiet_ray_data(self) -> None:
+        """Ray Data: everything to its log file, only warnings to the console."""
+        var = "RAY_DATA_LOGGING_CONFIG"
+        if os.environ.get(var):
+            return  # the user configured Ray Data's logging: theirs wins
+        try:
+            import yaml
+            from ray.data._internal import logging as data_logging
+
+            config: dict[str, Any] = copy.deepcopy(data_logging.DEFAULT_CONFIG)
+            config["handlers"]["console"]["level"] = "WARNING"
+            path = os.path.join(self._temp_dir, "rayslice-ray-data-logging.yaml")
+            with open(path, "w") as f:
+                yaml.safe_dump(config, f)
+            self._env_before, self._env_set = os.environ.get(var), True
+            os.environ[var] = path
+            data_logging.configure_logging()
+        except Exception as e:  # a Ray Data without this hook: stay correct, just louder
+            logger.debug("could not quiet Ray Data's console logs: %s", e)
+
+    def restore(self) -> None:
+        for name, level in self._levels.items():
+            logging.getLogger(name).setLevel(level)
+        self._levels.clear()
+        logging.getLogger("ray.serve").removeFilter(self._serve_filter)
+        if self._env_set:
+            if self._env_before is None:
+                os.environ.pop("RAY_DATA_LOGGING_CONFIG", None)
+            else:
+                os.environ["RAY_DATA_LOGGING_CONFIG"] = self._env_before
+            self._env_set = False
+            with contextlib.suppress(Exception):
+                from ray.data._internal import logging as data_logging
+
+                data_logging.configure_logging()
+        if self._patched is not None:
+            import ray._private.worker as ray_worker
+
+            if ray_worker.print_to_stdstream is self._patched:
+                ray_worker.print_to_stdstream = self._original
+            self._patched = None
