@@ -8,8 +8,9 @@ and inputs replicated), same ``serve.batch`` settings, same HTTP proxy:
 * plain - ``ray.serve.deployment`` whose replica runs the model itself, on one
   simulated host (4 devices).
 
-Latency: sequential single-row HTTP requests (p50/p99). Throughput: requests/s
-with concurrent clients. Added p50 = slice p50 - plain p50.
+Latency: sequential single-row HTTP requests (p50/p99), in interleaved rounds
+(median round and spread reported). Throughput: requests/s with concurrent
+clients. Added p50 = slice p50 - plain p50 of the same round.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ class MLP:
     def setup(self, ctx: Any = None) -> None:
         import jax
         import jax.numpy as jnp
-        from jax.sharding import NamedSharding, PartitionSpec as P
+        from jax.sharding import NamedSharding
+        from jax.sharding import PartitionSpec as P
 
         mesh = jax.make_mesh((jax.device_count(),), ("d",))
         self.repl = NamedSharding(mesh, P())
@@ -122,8 +124,14 @@ def _throughput(url: str, seconds: float, clients: int) -> float:
     return total / (time.perf_counter() - t0)
 
 
-def run(requests_n: int = 200, seconds: float = 5.0, clients: int = 8) -> dict[str, Any]:
-    """Needs a connected simulated cluster with a free v4 2x2x2 slice and one more free v4 host."""
+def run(requests_n: int = 200, seconds: float = 5.0, clients: int = 8, rounds: int = 5) -> dict[str, Any]:
+    """Needs a connected simulated cluster with a free v4 2x2x2 slice and one more free v4 host.
+
+    Latency is measured in ``rounds`` interleaved rounds (plain, slice, plain,
+    slice ...) of ``requests_n`` sequential requests each, after a warm-up
+    round; a round's added p50 is its slice p50 minus its plain p50, and the
+    result reports the median round and the spread (min-max) over rounds.
+    """
     from ray import cloudpickle, serve
 
     from rayslice import serve as slice_serve
@@ -131,17 +139,29 @@ def run(requests_n: int = 200, seconds: float = 5.0, clients: int = 8) -> dict[s
     cloudpickle.register_pickle_by_value(sys.modules[__name__])  # hosts cannot import benchmarks/
     port = slice_serve.start_http()
     try:
-        sliced = slice_serve.deployment(accelerator_type="TPU-V4", accelerator_config={"type": "tpu", "topology": "2x2x2"},
+        sliced = slice_serve.deployment(accelerator_type="TPU-V4",
+                                        accelerator_config={"type": "tpu", "topology": "2x2x2"},
                                         input_spec={"x": ((8,), "float32")}, **BATCH)(MLP)
         serve.run(sliced.bind(), name="slice", route_prefix="/slice")
         serve.run(_plain_deployment(), name="plain", route_prefix="/plain")
-        res: dict[str, Any] = {}
-        for name in ("plain", "slice", "plain", "slice"):  # interleaved, second round kept
-            url = f"http://127.0.0.1:{port}/{name}"
-            lat = sorted(_latency(url, requests_n))
-            res[name] = {"p50_ms": 1000 * statistics.median(lat), "p99_ms": 1000 * lat[int(0.99 * (len(lat) - 1))],
-                         "rps": _throughput(url, seconds, clients)}
+        urls = {name: f"http://127.0.0.1:{port}/{name}" for name in ("plain", "slice")}
+        for url in urls.values():  # warm-up round, not kept
+            _latency(url, requests_n // 4)
+        p50s: dict[str, list[float]] = {"plain": [], "slice": []}
+        p99s: dict[str, list[float]] = {"plain": [], "slice": []}
+        for _ in range(rounds):
+            for name, url in urls.items():
+                lat = sorted(_latency(url, requests_n))
+                p50s[name].append(1000 * statistics.median(lat))
+                p99s[name].append(1000 * lat[int(0.99 * (len(lat) - 1))])
+        res: dict[str, Any] = {name: {"p50_ms": statistics.median(p50s[name]), "p99_ms": statistics.median(p99s[name]),
+                                      "p50_rounds_ms": p50s[name], "rps": _throughput(url, seconds, clients)}
+                               for name, url in urls.items()}
     finally:
         serve.shutdown()
-    res["added_p50_ms"] = res["slice"]["p50_ms"] - res["plain"]["p50_ms"]
+    added = [s - p for s, p in zip(p50s["slice"], p50s["plain"])]
+    res["added_p50_ms"] = statistics.median(added)
+    res["added_p50_rounds_ms"] = added
+    res["added_p50_spread_ms"] = (min(added), max(added))
+    res["rounds"] = rounds
     return res

@@ -33,7 +33,7 @@ LM = LMConfig(d_model=64, num_layers=2, num_heads=8, d_ff=256, max_len=256)
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--steps", type=int, default=120)
     args = ap.parse_args()
     with SimulatedCluster([SliceSpec("TPU-V4", "2x2x2"), SliceSpec("TPU-V4", "2x2x2")]):
         t0 = time.perf_counter()

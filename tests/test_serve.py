@@ -421,6 +421,13 @@ def test_replica_core_runs_on_a_held_reservation_and_keeps_it(sim):
             assert core.last_outcome.outcome is Outcome.FAILED and http_status(core.last_outcome) == 500
             assert "negative inputs" in str(bad[0]) and core.broken is None  # the model's error, not the slice's
             core.check_health()
+            asyncio.run(core.check_health_async())  # pings in the gang's control group, off the event loop
+            # A batch past SHARE_BYTES is put in the object store once and every host reads that one copy.
+            from rayslice.serve.replica import SHARE_BYTES
+
+            big = np.ones((SHARE_BYTES // 32 + 64, 8), np.float32)
+            outcome, outs = asyncio.run(core.step({"x": big}, len(big)))
+            assert outcome.ok and outs["y"].shape == (len(big),) and outs["y"].tolist() == [36.0] * len(big)
         finally:
             core.close()
         assert not spg.released  # held by the caller: still reserved after the core closed

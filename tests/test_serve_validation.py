@@ -485,6 +485,13 @@ def test_config_parses_the_request_once_and_keeps_it():
     assert SliceServeConfig("v4", "2x2x2", request_timeout_s=5).request_timeout_s == 5.0
 
 
+def test_small_batches_travel_inline_with_each_host_call():
+    from rayslice.serve.replica import SHARE_BYTES, _shared
+
+    small = {"x": np.ones((SHARE_BYTES // 32 - 1, 8), np.float32)}
+    assert _shared(small) is small  # no object-store round trip below Ray's own inline limit
+
+
 def test_outcomes_map_to_http_statuses():
     assert http_status(RunOutcome.success(1.0)) == 200
     assert http_status(RunOutcome.of(ValueError("model bug"))) == 500

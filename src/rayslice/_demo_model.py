@@ -37,6 +37,18 @@ def _model() -> Any:
     return MLP()
 
 
+def data_mesh() -> Any:
+    """1-D mesh over every device with Auto axes: the one the feeder's default batches use too.
+
+    JAX refuses to mix arrays of meshes with different axis types in one
+    ``jit``; ``batch_predict`` feeds batches with the default (Auto) sharding.
+    """
+    import jax
+    from jax.sharding import AxisType
+
+    return jax.make_mesh((jax.device_count(),), ("data",), axis_types=(AxisType.Auto,))
+
+
 def init_state(mesh: Any, lr: float) -> tuple[Any, Any, dict[str, Any]]:
     """(model, optimizer, state) with parameters replicated over ``mesh``."""
     import jax
@@ -60,7 +72,7 @@ def train_loop(config: dict[str, Any]) -> None:
     from rayslice.data import iter_jax_batches
     from rayslice.train import get_checkpoint, get_dataset_shard, report
 
-    mesh = jax.make_mesh((jax.device_count(),), ("data",))
+    mesh = data_mesh()
     model, tx, state = init_state(mesh, config["lr"])
     ckpt, data_state = get_checkpoint(), None
     if ckpt is not None:
@@ -90,7 +102,7 @@ def load_params(checkpoint_path: str, lr: float = 1e-3) -> Any:
 
     from rayslice.train import Checkpoint
 
-    mesh = jax.make_mesh((jax.device_count(),), ("data",))
+    mesh = data_mesh()
     model, _, target = init_state(mesh, lr)
     state = Checkpoint(checkpoint_path).restore(target)  # the step is read from the step directory
     return model, state["params"]
@@ -112,7 +124,7 @@ class Regressor:
         from jax.sharding import NamedSharding, PartitionSpec
 
         self.model, self.params = load_params(self.checkpoint_path)
-        mesh = jax.make_mesh((jax.device_count(),), ("data",))
+        mesh = data_mesh()
         self.repl = NamedSharding(mesh, PartitionSpec())
         self.forward = jax.jit(self.model.apply, out_shardings=self.repl)
 

@@ -130,15 +130,23 @@ def _connected(address: str | None) -> Iterator[str]:
         raise RaysliceError("no cluster to connect to: pass --address, set RAY_ADDRESS, or run `rayslice sim up`")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     _check_reachable(address, timeout_s=5.0)
-    # ray.init retries a silent endpoint for a long time: give it a deadline.
-    outcome: list[BaseException | None] = []
-    worker = threading.Thread(target=lambda: outcome.append(_init_ray(address)), daemon=True)
-    worker.start()
-    worker.join(_CONNECT_TIMEOUT_S)
-    if not outcome:
-        raise RaysliceError(f"cannot connect to Ray at {address}: no answer within {_CONNECT_TIMEOUT_S:g} s")
-    if outcome[0] is not None:
-        raise RaysliceError(f"cannot connect to Ray at {address}: {outcome[0]}") from None
+    # ray.init retries a silent endpoint for a long time: give it a deadline. It
+    # runs in the main thread (Ray installs its signal handlers there); a timer
+    # ends the command with one line if it has not connected in time.
+    def give_up() -> None:
+        err.print(f"[red]error:[/red] cannot connect to Ray at {address}: no answer within {_CONNECT_TIMEOUT_S:g} s",
+                  highlight=False)
+        os._exit(1)
+
+    watchdog = threading.Timer(_CONNECT_TIMEOUT_S, give_up)
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        failure = _init_ray(address)
+    finally:
+        watchdog.cancel()
+    if failure is not None:
+        raise RaysliceError(f"cannot connect to Ray at {address}: {failure}") from None
     try:
         yield address
     finally:

@@ -39,7 +39,60 @@ from rayslice.topology import MEGASCALE_PORT
 
 #: Ray namespace of named gang processes (``<gang>/<gang id>/<rank>``).
 NAMESPACE = "rayslice"
+#: Name of the optional concurrency group for control calls (liveness pings): a gang started with
+#: ``actor_options={"concurrency_groups": {CONTROL_GROUP: 1}}`` answers them while its work runs.
+CONTROL_GROUP = "control"
 _MEGASCALE_KEYS = ("MEGASCALE_COORDINATOR_ADDRESS", "MEGASCALE_NUM_SLICES", "MEGASCALE_SLICE_ID", "MEGASCALE_PORT")
+
+
+# -- SIGTERM as a preemption notice (Kubernetes sends it before evicting a pod) ----------------
+# A gang process records SIGTERM instead of dying at once when something listens (a training
+# attempt: rayslice.train.notice); with no listener it keeps Ray's behaviour (the process exits).
+_NOTICE_LISTENERS: list[Callable[[str], None]] = []
+_PREVIOUS_SIGTERM: Any = None
+
+
+def on_sigterm(listener: Callable[[str], None]) -> Callable[[], None]:
+    """Calls ``listener("SIGTERM")`` when this gang process gets SIGTERM; returns the unsubscribe function."""
+    _NOTICE_LISTENERS.append(listener)
+
+    def remove() -> None:
+        if listener in _NOTICE_LISTENERS:
+            _NOTICE_LISTENERS.remove(listener)
+
+    return remove
+
+
+def _sigterm(signum: int, frame: Any) -> None:
+    if _NOTICE_LISTENERS:
+        for listener in list(_NOTICE_LISTENERS):
+            try:
+                listener("SIGTERM")
+            except Exception:  # a listener never turns a notice into a crash
+                pass
+        return
+    import signal
+
+    previous = _PREVIOUS_SIGTERM
+    if callable(previous):
+        previous(signum, frame)
+    elif previous != signal.SIG_IGN:
+        raise SystemExit(128 + signum)
+
+
+def _install_sigterm() -> None:
+    global _PREVIOUS_SIGTERM
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return  # signal handlers can only be installed from the main thread
+    try:
+        previous = signal.signal(signal.SIGTERM, _sigterm)
+    except (ValueError, OSError):
+        return
+    if previous is not _sigterm:
+        _PREVIOUS_SIGTERM = previous
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,6 +167,7 @@ class _HostProcess:
         _CONTEXT = ctx
         self._ctx = ctx
         self._held: socket.socket | None = None
+        _install_sigterm()  # in the actor's main thread: SIGTERM becomes a notice (see on_sigterm)
 
     def bind_coordinator_port(self) -> int:
         """Binds a port on this host and holds it until JAX takes it over."""
@@ -131,6 +185,8 @@ class _HostProcess:
             self._held = None
         import jax
 
+        # JAX's own preemption service would take SIGTERM over (a C++ handler); rayslice's replaces it.
+        jax.config.update("jax_enable_preemption_service", False)
         jax.distributed.initialize(
             coordinator_address=coordinator,
             num_processes=num_processes,
@@ -147,6 +203,10 @@ class _HostProcess:
 
     def context(self) -> HostContext:
         return self._ctx
+
+    def ping(self) -> bool:
+        """Answers at once (a liveness check; run in the ``control`` group when the gang has one)."""
+        return True
 
     def call(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         return fn(*args, **kwargs)
@@ -229,7 +289,9 @@ class SliceGang:
         import ray
 
         topo = self.spg.topology
-        actor_cls = ray.remote(_HostProcess)
+        options = dict(self.actor_options)
+        groups = options.pop("concurrency_groups", None)  # Ray takes them only at ray.remote, not .options
+        actor_cls = ray.remote(concurrency_groups=groups)(_HostProcess) if groups else ray.remote(_HostProcess)
         world = self.spg.num_hosts
         gang_id = uuid.uuid4().hex[:8]
         try:
@@ -247,7 +309,7 @@ class SliceGang:
                     max_restarts=0,
                     max_task_retries=0,
                     **({"name": gang_actor_name(self.name, gang_id, rank), "namespace": NAMESPACE} if self.name else {}),
-                    **self.actor_options,
+                    **options,
                 ).remote(env, ctx)
                 self.actors.append(actor)
                 self.contexts.append(ctx)
@@ -297,6 +359,16 @@ class SliceGang:
         """
         return _ordered_get(self.run_async(fn, *args, **kwargs), Deadline(timeout_s), getattr(fn, "__name__", "fn"))
 
+    def ping_async(self) -> list[Any]:
+        """Starts a liveness ping on every host; returns the refs in rank order (each resolves to True).
+
+        A gang started with a :data:`CONTROL_GROUP` concurrency group answers
+        pings there, so they never queue behind a long call.
+        """
+        if CONTROL_GROUP in (self.actor_options.get("concurrency_groups") or {}):
+            return [a.ping.options(concurrency_group=CONTROL_GROUP).remote() for a in self.actors]
+        return [a.call.remote(_ping, (), {}) for a in self.actors]
+
     def lost_hosts(self, timeout_s: float = 5.0) -> list[int]:
         """Ranks whose process does not answer a ping within ``timeout_s`` (dead or unreachable).
 
@@ -305,7 +377,7 @@ class SliceGang:
         """
         import ray
 
-        refs = [a.call.remote(_ping, (), {}) for a in self.actors]
+        refs = self.ping_async()
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
         lost = []
         for rank, ref in enumerate(refs):

@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from rayslice._deadline import Deadline
-from rayslice._validate import check_choice, check_instance, check_int, check_optional, fail
+from rayslice._validate import check_choice, check_float, check_instance, check_int, check_optional, fail
 from rayslice.errors import InvalidArgument
 from rayslice.topology import Topology
 
@@ -401,6 +401,47 @@ class SimulatedCluster:
         s = self._slice(slice_name)
         self._kill([h for h in s.hosts if h.alive], wait, timeout_s)
 
+    def notify_preemption(self, slice_name: str, worker_id: int, grace_s: float) -> list[int]:
+        """Delivers a preemption notice to one host, then kills it after ``grace_s``; returns at once.
+
+        The notice travels the way Kubernetes delivers one before evicting a
+        pod: SIGTERM to the host's Ray worker processes (a rayslice gang
+        process records it as a notice; others exit as Ray's workers do). A
+        timer thread kills the host abruptly (:meth:`preempt_host`, without
+        waiting) ``grace_s`` seconds later, unless the cluster is shut down
+        first or the host is already gone.
+
+        Args:
+            slice_name: A running slice.
+            worker_id: A live host of it.
+            grace_s: Seconds between the notice and the kill (>= 0).
+
+        Returns:
+            The process ids that got SIGTERM.
+        """
+        import signal
+        import threading
+
+        grace = check_float("grace_s", grace_s, minimum=0, maximum=3600)
+        host = self._host(slice_name, check_int("worker_id", worker_id, minimum=0))
+        pids = _worker_pids(host.node)
+        for pid in pids:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGTERM)
+        logger.info("host %d of %s: preemption notice (SIGTERM to %d processes), killed in %.1f s (simulated)",
+                    worker_id, slice_name, len(pids), grace)
+
+        def kill() -> None:
+            if self._cluster is not None and host.alive:
+                with contextlib.suppress(Exception):
+                    self._kill([host], False, 0.0)
+
+        timer = threading.Timer(grace, kill)
+        timer.daemon = True
+        timer.name = f"rayslice-sim-preempt-{slice_name}-{worker_id}"
+        timer.start()
+        return pids
+
     # -- internals --------------------------------------------------------
     def _slice(self, name: str) -> SimSlice:
         if name not in self._slices:
@@ -471,6 +512,23 @@ def _raylet_pid(node: Any) -> int | None:
         return int(node.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process.pid)
     except (AttributeError, KeyError, IndexError, TypeError, ImportError):
         return None
+
+
+def _worker_pids(node: Any) -> list[int]:
+    """Ray worker processes of one simulated host (children of its raylet, not the raylet's helpers)."""
+    import psutil
+
+    pid = _raylet_pid(node)
+    if pid is None:
+        return []
+    out = []
+    with contextlib.suppress(psutil.Error):
+        for child in psutil.Process(pid).children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                title = " ".join(child.cmdline())
+                if title.startswith("ray::") and not title.startswith("ray::IDLE"):
+                    out.append(child.pid)
+    return out
 
 
 class _WarningsOnly(logging.Filter):
@@ -567,6 +625,8 @@ class _QuietRay:
         """
         if any(node in message for node in self._dead_nodes):
             return None  # "node ... marked dead", "a worker died" on a node killed on purpose
+        if "ServeController.graceful_shutdown failed" in message:
+            return None  # serve.shutdown() kills its controller while a retried shutdown call is queued: harmless
         if message.startswith("A worker died") and any(node in message for node in self._mates):
             return None  # a gang process on the rest of a slice that lost a host
         if message.startswith("Raylet is terminated") and self._dead_nodes:

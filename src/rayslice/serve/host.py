@@ -45,14 +45,22 @@ def _gather(value: Any) -> Any:
     return value
 
 
-def infer(inputs: dict[str, np.ndarray], rows: int) -> dict[str, np.ndarray] | None:
-    """Runs the model on one (padded) batch; host 0 returns the first ``rows`` rows."""
+def infer(inputs: Any, rows: int) -> dict[str, np.ndarray] | None:
+    """Runs the model on one (padded) batch; host 0 returns the first ``rows`` rows.
+
+    ``inputs`` is the batch's columns, or a ref to them (a large batch is put
+    in the object store once and shared by every host).
+    """
     import time
 
     import jax
 
     if _MODEL is None:
         raise RuntimeError("the model was not set up on this host")
+    if not isinstance(inputs, dict):  # one ray.put of a large batch, shared by every host
+        import ray
+
+        inputs = ray.get(inputs)
     t0 = time.perf_counter()
     out = _MODEL(inputs)
     outs = out if isinstance(out, dict) else {"output": out}

@@ -78,7 +78,7 @@ class ReplicaCore:
 
     def __init__(self, user_cls: type, cfg: SliceServeConfig, args: tuple, kwargs: dict, *,
                  tpu_slice: SlicePlacementGroup | None = None) -> None:
-        from rayslice.gang import SliceGang
+        from rayslice.gang import CONTROL_GROUP, SliceGang
         from rayslice.placement import SlicePlacementGroup, slice_placement_group
         from rayslice.serve import host
 
@@ -103,8 +103,11 @@ class ReplicaCore:
             except ReservationError as e:  # Serve shows it as the reason the deployment failed
                 raise _one_line_reservation_error(e, self.name) from None
         try:
+            # Liveness pings (health checks, classifying a failed step) run in their own
+            # concurrency group on every host, so they never queue behind a step.
             self.gang = SliceGang(self.spg, init_timeout_s=cfg.init_timeout_s, name=self.name,
-                                  actor_options={"max_concurrency": 2}).start()
+                                  actor_options={"max_concurrency": 2,
+                                                 "concurrency_groups": {CONTROL_GROUP: 1}}).start()
             self.gang.run(host.setup_model, user_cls, args, kwargs, self.name, timeout_s=cfg.init_timeout_s)
         except BaseException:
             self.close()
@@ -152,7 +155,7 @@ class ReplicaCore:
             outcome = RunOutcome(Outcome.CANCELLED, RuntimeError("the replica is shut down"))
             self.last_outcome = outcome
             return outcome, {}
-        refs = self.gang.run_async(host.infer, inputs, rows)
+        refs = self.gang.run_async(host.infer, _shared(inputs), rows)
         hosts = [asyncio.ensure_future(_result(ref)) for ref in refs]
         try:
             outs = await self._first_answer(hosts, t0 + self.cfg.request_timeout_s)
@@ -236,7 +239,23 @@ class ReplicaCore:
         """Raises (one line) when a host was lost or does not answer a ping within 5 s."""
         if self.broken is not None:
             raise RuntimeError(str(self.error(self.broken)))
-        lost = self.gang.lost_hosts(timeout_s=5.0) if self.gang else [0]
+        self._raise_lost(self.gang.lost_hosts(timeout_s=5.0) if self.gang else [0])
+
+    async def check_health_async(self) -> None:
+        """:meth:`check_health` without blocking the event loop (requests keep flowing meanwhile)."""
+        if self.broken is not None:
+            raise RuntimeError(str(self.error(self.broken)))
+        if self.gang is None:
+            self._raise_lost([0])
+            return
+        pings = [asyncio.ensure_future(_result(ref)) for ref in self.gang.ping_async()]
+        done, _ = await asyncio.wait(pings, timeout=5.0)
+        lost = [rank for rank, f in enumerate(pings) if f not in done or f.exception() is not None]
+        for f in pings:
+            f.cancel()
+        self._raise_lost(lost)
+
+    def _raise_lost(self, lost: list[int]) -> None:
         if lost:
             raise RuntimeError(f"host process(es) of rank {lost} on slice {getattr(self, 'slice_name', '?')} are gone")
 
@@ -253,6 +272,24 @@ class ReplicaCore:
 
 async def _result(ref: Any) -> Any:
     return await ref
+
+
+#: Batches at least this large are put in the object store once and shared by every host;
+#: smaller ones travel inline with each host's call (Ray inlines arguments below 100 KiB).
+SHARE_BYTES = 100 * 1024
+
+
+def _shared(inputs: dict[str, np.ndarray]) -> Any:
+    """The batch as every host's call takes it: one ``ray.put`` when large, else the dict itself.
+
+    Without it, Ray serializes a large argument into the object store once per
+    host call; with it, the batch is serialized once and each host reads it.
+    """
+    if sum(v.nbytes for v in inputs.values()) < SHARE_BYTES:
+        return inputs
+    import ray
+
+    return ray.put(inputs)
 
 
 def _json_outputs(outputs: Mapping[str, np.ndarray]) -> dict[str, Any]:
@@ -336,8 +373,8 @@ def make_replica_class(user_cls: type, cfg: SliceServeConfig) -> type:
                 logger.exception("slice deployment %s failed a request", user_cls.__name__)
                 return JSONResponse({"error": f"internal error: {type(e).__name__}: {e}"}, status_code=500)
 
-        def check_health(self) -> None:
-            self._core.check_health()
+        async def check_health(self) -> None:
+            await self._core.check_health_async()
 
         def slice_name(self) -> str:
             return self._core.slice_name
