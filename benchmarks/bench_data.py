@@ -66,12 +66,13 @@ def _bulk(batches: list[Any], sharding: Any, group: int = 64) -> Iterable[Any]:
     import jax
 
     for i in range(0, len(batches), group):
-        part = batches[i:i + group]
+        part = batches[i : i + group]
         yield from jax.device_put(part, [sharding] * len(part))
 
 
-def _time(fn: Callable[[], Iterable[Any]], expect_rows: int, consume: Callable[[Iterable[Any]], int] = _consume
-          ) -> float:
+def _time(
+    fn: Callable[[], Iterable[Any]], expect_rows: int, consume: Callable[[Iterable[Any]], int] = _consume
+) -> float:
     t0 = time.perf_counter()
     rows = consume(fn())
     dt = time.perf_counter() - t0
@@ -120,8 +121,15 @@ def _blocks_numpy(ds: Any) -> list[Any]:
     return [b["data"] for b in ds.iter_batches(batch_size=None, batch_format="numpy")]
 
 
-def run(rows: int = 1_000_000, width: int = 128, batch_size: int = 1024, repeats: int = 5,
-        num_devices: int = 4, rebatch_block: int = 8192, rebatch_batch: int = 65536) -> dict[str, Any]:
+def run(
+    rows: int = 1_000_000,
+    width: int = 128,
+    batch_size: int = 1024,
+    repeats: int = 5,
+    num_devices: int = 4,
+    rebatch_block: int = 8192,
+    rebatch_batch: int = 65536,
+) -> dict[str, Any]:
     os.environ["JAX_PLATFORMS"] = "cpu"
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={num_devices}"
     import numpy as np
@@ -131,8 +139,7 @@ def run(rows: int = 1_000_000, width: int = 128, batch_size: int = 1024, repeats
     nbytes = n * width * 4
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     # Ray first: it forks helper processes, which must not happen after JAX starts threads.
-    ray.init(num_cpus=2, object_store_memory=max(3 * nbytes, 300 * 2**20), include_dashboard=False,
-             log_to_driver=False)
+    ray.init(num_cpus=2, object_store_memory=max(3 * nbytes, 300 * 2**20), include_dashboard=False, log_to_driver=False)
     import jax
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -145,13 +152,18 @@ def run(rows: int = 1_000_000, width: int = 128, batch_size: int = 1024, repeats
     rb_rows = (min(n, 4 * rebatch_batch) // rebatch_batch) * rebatch_batch
     try:
         ds = ray.data.from_numpy(arr).materialize()
-        ds_small = ray.data.from_numpy(arr[:rb_rows]).repartition(rb_rows // rebatch_block).materialize() \
-            if rb_rows else None
+        ds_small = (
+            ray.data.from_numpy(arr[:rb_rows]).repartition(rb_rows // rebatch_block).materialize() if rb_rows else None
+        )
         # The limit reads the same object-store memory as the feeder: views of its blocks.
         store = _blocks_numpy(ds)
-        views = [v for blk in store for v in (blk[i:i + batch_size] for i in range(0, len(blk), batch_size))
-                 if len(v) == batch_size][: n // batch_size]
-        copies = [arr[i:i + batch_size] for i in range(0, n, batch_size)]
+        views = [
+            v
+            for blk in store
+            for v in (blk[i : i + batch_size] for i in range(0, len(blk), batch_size))
+            if len(v) == batch_size
+        ][: n // batch_size]
+        copies = [arr[i : i + batch_size] for i in range(0, n, batch_size)]
         # numpy's own large allocations are 16-byte aligned: JAX copies them.
         copies16 = copies if not is_aligned(arr) else [c.copy() for c in copies]
         aligned_views = sum(is_aligned(v) for v in views) / len(views)
@@ -167,9 +179,13 @@ def run(rows: int = 1_000_000, width: int = 128, batch_size: int = 1024, repeats
             "rayslice": (lambda: iter_jax_batches(ds, **feed), _consume),
             "rayslice_thread": (lambda: iter_jax_batches(ds, pipeline="thread", **feed), _consume),
             "ray": (lambda: ds.iter_jax_batches(batch_size=batch_size, drop_last=True), _consume),
-            "naive": (lambda: (jax.device_put(b["data"], sharding)
-                               for b in ds.iter_batches(batch_size=batch_size, batch_format="numpy",
-                                                        drop_last=True)), _consume),
+            "naive": (
+                lambda: (
+                    jax.device_put(b["data"], sharding)
+                    for b in ds.iter_batches(batch_size=batch_size, batch_format="numpy", drop_last=True)
+                ),
+                _consume,
+            ),
             "step_resident": (lambda: iter(resident), consume_step),
             "step_rayslice": (lambda: iter_jax_batches(ds, **feed), consume_step),
             "step_rayslice_thread": (lambda: iter_jax_batches(ds, pipeline="thread", **feed), consume_step),
@@ -177,15 +193,26 @@ def run(rows: int = 1_000_000, width: int = 128, batch_size: int = 1024, repeats
         }
         expect = {k: n for k in methods}
         if ds_small is not None:
-            big = [a for a in (arr[i:i + rebatch_batch] for i in range(0, rb_rows, rebatch_batch))]
+            big = [a for a in (arr[i : i + rebatch_batch] for i in range(0, rb_rows, rebatch_batch))]
             big_aligned = [jax.numpy.asarray(b) for b in big]  # warm allocation paths
             del big_aligned
-            methods["rebatch_limit"] = (lambda: (jax.device_put(np.concatenate(
-                [b[i:i + rebatch_block] for i in range(0, len(b), rebatch_block)]), sharding) for b in big), _consume)
-            methods["rebatch"] = (lambda: iter_jax_batches(ds_small, batch_size=rebatch_batch, sharding=sharding,
-                                                           ragged="drop"), _consume)
-            methods["rebatch_ray"] = (lambda: ds_small.iter_jax_batches(batch_size=rebatch_batch, drop_last=True),
-                                      _consume)
+            methods["rebatch_limit"] = (
+                lambda: (
+                    jax.device_put(
+                        np.concatenate([b[i : i + rebatch_block] for i in range(0, len(b), rebatch_block)]), sharding
+                    )
+                    for b in big
+                ),
+                _consume,
+            )
+            methods["rebatch"] = (
+                lambda: iter_jax_batches(ds_small, batch_size=rebatch_batch, sharding=sharding, ragged="drop"),
+                _consume,
+            )
+            methods["rebatch_ray"] = (
+                lambda: ds_small.iter_jax_batches(batch_size=rebatch_batch, drop_last=True),
+                _consume,
+            )
             expect.update(rebatch_limit=rb_rows, rebatch=rb_rows, rebatch_ray=rb_rows)
         times: dict[str, list[float]] = {k: [] for k in methods}
         for name, (fn, consume) in methods.items():  # warm-up: compile paths, page in the store
@@ -201,17 +228,26 @@ def run(rows: int = 1_000_000, width: int = 128, batch_size: int = 1024, repeats
 
     med = {k: statistics.median(v) for k, v in times.items()}
     result: dict[str, Any] = {
-        "rows": n, "width": width, "batch_size": batch_size, "bytes": nbytes, "devices": num_devices,
-        "platform": jax.devices()[0].platform, "repeats": repeats, "aligned_views": aligned_views,
+        "rows": n,
+        "width": width,
+        "batch_size": batch_size,
+        "bytes": nbytes,
+        "devices": num_devices,
+        "platform": jax.devices()[0].platform,
+        "repeats": repeats,
+        "aligned_views": aligned_views,
         "limit_copy_aligned": float(np.mean([is_aligned(c) for c in copies16])),
         "rows_per_s": {k: expect[k] / v for k, v in med.items()},
         "gb_per_s": {k: expect[k] * width * 4 / v / 1e9 for k, v in med.items()},
         "rebatch": {"rows": rb_rows, "block": rebatch_block, "batch": rebatch_batch},
     }
     spreads = {
-        "vs_limit": ratio("rayslice", "limit"), "vs_limit2": ratio("rayslice", "limit2"),
-        "vs_limit_copy": ratio("rayslice", "limit_copy"), "vs_limit_bulk": ratio("rayslice", "limit_bulk"),
-        "vs_ray": ratio("rayslice", "ray"), "vs_naive": ratio("rayslice", "naive"),
+        "vs_limit": ratio("rayslice", "limit"),
+        "vs_limit2": ratio("rayslice", "limit2"),
+        "vs_limit_copy": ratio("rayslice", "limit_copy"),
+        "vs_limit_bulk": ratio("rayslice", "limit_bulk"),
+        "vs_ray": ratio("rayslice", "ray"),
+        "vs_naive": ratio("rayslice", "naive"),
         "thread_vs_limit": ratio("rayslice_thread", "limit"),
         "step_vs_resident": ratio("step_rayslice", "step_resident"),
         "step_thread_vs_resident": ratio("step_rayslice_thread", "step_resident"),
@@ -226,9 +262,12 @@ def run(rows: int = 1_000_000, width: int = 128, batch_size: int = 1024, repeats
 
 
 def _print_cpu(r: dict[str, Any]) -> None:
-    print(f"{r['rows']:,} rows x {r['width']} f32, batch {r['batch_size']}, {r['devices']} {r['platform']} devices, "
-          f"{r['repeats']} rounds; object-store views 64-byte aligned: {100 * r['aligned_views']:.0f}%, "
-          f"copy-limit slices: {100 * r['limit_copy_aligned']:.0f}%", file=sys.stderr)
+    print(
+        f"{r['rows']:,} rows x {r['width']} f32, batch {r['batch_size']}, {r['devices']} {r['platform']} devices, "
+        f"{r['repeats']} rounds; object-store views 64-byte aligned: {100 * r['aligned_views']:.0f}%, "
+        f"copy-limit slices: {100 * r['limit_copy_aligned']:.0f}%",
+        file=sys.stderr,
+    )
     for k, v in r["rows_per_s"].items():
         print(f"  {k:22s} {v / 1e6:8.2f} M rows/s  {r['gb_per_s'][k]:7.2f} GB/s", file=sys.stderr)
     for k, v in r["spread"].items():
@@ -236,6 +275,7 @@ def _print_cpu(r: dict[str, Any]) -> None:
 
 
 # -- GPU mode ---------------------------------------------------------------------------------------------------
+
 
 def _gbps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9
@@ -285,8 +325,13 @@ def _cupy_pinned(nbytes: int, reps: int) -> float | None:
     return _gbps(nbytes * reps, time.perf_counter() - t0)
 
 
-def run_gpu(dry_run: bool = False, rows: int = 2_000_000, width: int = 128, repeats: int = 5,
-            sizes_mb: tuple[int, ...] = (4, 8, 16, 32)) -> dict[str, Any]:
+def run_gpu(
+    dry_run: bool = False,
+    rows: int = 2_000_000,
+    width: int = 128,
+    repeats: int = 5,
+    sizes_mb: tuple[int, ...] = (4, 8, 16, 32),
+) -> dict[str, Any]:
     """GPU host: pinned and pageable H2D, rayslice vs Ray's iter_jax_batches, and a fed training step.
 
     Needs JAX with a GPU backend and Ray (e.g. installed from ``shared/gpu/pack.sh``'s
@@ -298,8 +343,10 @@ def run_gpu(dry_run: bool = False, rows: int = 2_000_000, width: int = 128, repe
         os.environ["JAX_PLATFORMS"] = "cpu"
         rows, sizes_mb, repeats = min(rows, 65536), (1, 2), min(repeats, 2)
     elif not (os.path.exists("/dev/nvidiactl") or os.path.exists("/proc/driver/nvidia")):
-        return {"skipped": "no GPU: no NVIDIA driver on this host (/dev/nvidiactl); --gpu --dry-run runs "
-                           "the same code on CPU devices"}
+        return {
+            "skipped": "no GPU: no NVIDIA driver on this host (/dev/nvidiactl); --gpu --dry-run runs "
+            "the same code on CPU devices"
+        }
     try:
         import numpy as np
         import ray
@@ -307,8 +354,12 @@ def run_gpu(dry_run: bool = False, rows: int = 2_000_000, width: int = 128, repe
         return {"skipped": f"no Ray here ({type(e).__name__}: {e}); install it from the packed tarball"}
     if not ray.is_initialized():  # before JAX starts its threads: Ray forks helper processes
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-        ray.init(num_cpus=min(8, os.cpu_count() or 2), object_store_memory=max(3 * rows * width * 4, 300 * 2**20),
-                 include_dashboard=False, log_to_driver=False)
+        ray.init(
+            num_cpus=min(8, os.cpu_count() or 2),
+            object_store_memory=max(3 * rows * width * 4, 300 * 2**20),
+            include_dashboard=False,
+            log_to_driver=False,
+        )
     import jax
 
     try:
@@ -322,9 +373,17 @@ def run_gpu(dry_run: bool = False, rows: int = 2_000_000, width: int = 128, repe
     sharding = NamedSharding(Mesh(np.array([dev]), ("data",)), PartitionSpec("data"))
     kinds = {m.kind for m in dev.addressable_memories()}
     pinned = sharding.with_memory_kind("pinned_host") if "pinned_host" in kinds else None
-    result: dict[str, Any] = {"device": str(getattr(dev, "device_kind", dev.platform)), "platform": dev.platform,
-                              "jax": jax.__version__, "dry_run": dry_run, "rows": rows, "width": width,
-                              "repeats": repeats, "memory_kinds": sorted(kinds), "sizes": {}}
+    result: dict[str, Any] = {
+        "device": str(getattr(dev, "device_kind", dev.platform)),
+        "platform": dev.platform,
+        "jax": jax.__version__,
+        "dry_run": dry_run,
+        "rows": rows,
+        "width": width,
+        "repeats": repeats,
+        "memory_kinds": sorted(kinds),
+        "sizes": {},
+    }
     row_bytes = width * 4
     arr = np.random.default_rng(0).standard_normal((rows, width), dtype=np.float32)
     from rayslice.data import iter_jax_batches
@@ -361,7 +420,7 @@ def run_gpu(dry_run: bool = False, rows: int = 2_000_000, width: int = 128, repe
         bs = sizes_mb[-1] * 2**20 // row_bytes
         n = rows - rows % bs
         consume_step = _stepper(width, sharding)
-        resident = [jax.device_put(arr[i:i + bs], sharding) for i in range(0, n, bs)]
+        resident = [jax.device_put(arr[i : i + bs], sharding) for i in range(0, n, bs)]
         jax.block_until_ready(resident)
         step_methods = {
             "resident": lambda: iter(resident),
@@ -375,7 +434,8 @@ def run_gpu(dry_run: bool = False, rows: int = 2_000_000, width: int = 128, repe
             for name, fn in step_methods.items():
                 st[name].append(_time(fn, n, consume_step))
         result["step"] = {
-            "batch_rows": bs, "step_ms": 1e3 * statistics.median(st["resident"]) / (n // bs),
+            "batch_rows": bs,
+            "step_ms": 1e3 * statistics.median(st["resident"]) / (n // bs),
             "rayslice_vs_resident": _spread([r / f for r, f in zip(st["resident"], st["rayslice"])]),
             "ray_vs_resident": _spread([r / f for r, f in zip(st["resident"], st["ray"])]),
         }
@@ -388,21 +448,27 @@ def _print_gpu(r: dict[str, Any]) -> None:
     if "skipped" in r:
         print(f"GPU benchmark skipped: {r['skipped']}", file=sys.stderr)
         return
-    print(f"{r['device']} ({r['platform']}, JAX {r['jax']}){' DRY RUN on CPU' if r['dry_run'] else ''}; "
-          f"{r['rows']:,} x {r['width']} f32; memory kinds {r['memory_kinds']}; {r['repeats']} rounds",
-          file=sys.stderr)
+    print(
+        f"{r['device']} ({r['platform']}, JAX {r['jax']}){' DRY RUN on CPU' if r['dry_run'] else ''}; "
+        f"{r['rows']:,} x {r['width']} f32; memory kinds {r['memory_kinds']}; {r['repeats']} rounds",
+        file=sys.stderr,
+    )
     for size, e in r["sizes"].items():
         bw = "  ".join(f"{k} {v['median']:.1f}" for k, v in e.items() if k not in ("vs_pinned", "vs_ray"))
         print(f"  {size:>5}: GB/s {bw}", file=sys.stderr)
         for k in ("vs_pinned", "vs_ray"):
             v = e[k]
-            print(f"         rayslice {k}: median {v['median']:.2f} [min {v['min']:.2f}, max {v['max']:.2f}]",
-                  file=sys.stderr)
+            print(
+                f"         rayslice {k}: median {v['median']:.2f} [min {v['min']:.2f}, max {v['max']:.2f}]",
+                file=sys.stderr,
+            )
     s = r["step"]
     for k in ("rayslice_vs_resident", "ray_vs_resident"):
         v = s[k]
-        print(f"  step {s['step_ms']:.2f} ms, {k}: median {v['median']:.3f} [min {v['min']:.3f}, max {v['max']:.3f}]",
-              file=sys.stderr)
+        print(
+            f"  step {s['step_ms']:.2f} ms, {k}: median {v['median']:.3f} [min {v['min']:.3f}, max {v['max']:.3f}]",
+            file=sys.stderr,
+        )
 
 
 def main(argv: list[str]) -> int:
@@ -411,8 +477,10 @@ def main(argv: list[str]) -> int:
     flags = {a for a in argv if a.startswith("--")}
     unknown = flags - {"--gpu", "--dry-run"}
     if unknown:
-        print(f"unknown flag(s) {sorted(unknown)}; usage: bench_data.py [--gpu [--dry-run]] [rows=N] [repeats=N]",
-              file=sys.stderr)
+        print(
+            f"unknown flag(s) {sorted(unknown)}; usage: bench_data.py [--gpu [--dry-run]] [rows=N] [repeats=N]",
+            file=sys.stderr,
+        )
         return 2
     kwargs = {k: int(v) for k, v in (a.split("=") for a in argv if not a.startswith("--"))}
     if "--gpu" in flags:
@@ -458,13 +526,20 @@ def agreement_cost(steps: int = 500, batch_size: int = 64, rounds: int = 3) -> d
 
     # Ship this module's functions by value: hosts cannot import benchmarks/.
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    with rayslice.slice_placement_group("2x2x2", "TPU-V4", timeout_s=60, progress=False) as spg, \
-            rayslice.SliceGang(spg) as gang:
+    with (
+        rayslice.slice_placement_group("2x2x2", "TPU-V4", timeout_s=60, progress=False) as spg,
+        rayslice.SliceGang(spg) as gang,
+    ):
         gang.run(_agreement_steps, 50, batch_size, True)  # warm-up
         on, off = [], []
         for _ in range(rounds):
             off.append(max(gang.run(_agreement_steps, steps, batch_size, False)))
             on.append(max(gang.run(_agreement_steps, steps, batch_size, True)))
     on_s, off_s = statistics.median(on), statistics.median(off)
-    return {"steps": steps, "hosts": spg.num_hosts, "with_us": 1e6 * on_s, "without_us": 1e6 * off_s,
-            "cost_us": 1e6 * (on_s - off_s)}
+    return {
+        "steps": steps,
+        "hosts": spg.num_hosts,
+        "with_us": 1e6 * on_s,
+        "without_us": 1e6 * off_s,
+        "cost_us": 1e6 * (on_s - off_s),
+    }

@@ -28,17 +28,34 @@ PROMPT = "def fibonacci(n):\n    "
 
 
 def config(accelerator_type: str = "TPU-V4", topology: str = "2x2x2") -> LLMConfig:
-    return LLMConfig(model_name=MODEL, lm=LMConfig(), seed=1, accelerator_type=accelerator_type, topology=topology,
-                     engine=EngineConfig(num_slots=16, max_context=256, prefill_buckets=(32, 64, 128, 256),
-                                         max_tokens_limit=128, default_max_tokens=16))
+    return LLMConfig(
+        model_name=MODEL,
+        lm=LMConfig(),
+        seed=1,
+        accelerator_type=accelerator_type,
+        topology=topology,
+        engine=EngineConfig(
+            num_slots=16,
+            max_context=256,
+            prefill_buckets=(32, 64, 128, 256),
+            max_tokens_limit=128,
+            default_max_tokens=16,
+        ),
+    )
 
 
 def _stream(client: Any, max_tokens: int) -> tuple[float, float, int]:
     """(ttft_s, total_s, completion tokens) of one streamed completion."""
     t0 = time.perf_counter()
     first, tokens = None, 0
-    for chunk in client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=max_tokens, temperature=0,
-                                           stream=True, stream_options={"include_usage": True}):
+    for chunk in client.completions.create(
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    ):
         if first is None and chunk.choices and chunk.choices[0].text:
             first = time.perf_counter()
         if chunk.usage is not None:
@@ -70,14 +87,25 @@ def measure(base: str, requests: int, max_tokens: int) -> dict[str, float]:
         wall = time.perf_counter() - t0
     aggregate = sum(r[2] for r in many) / wall
     stats = _stats(base)
-    return {"step_ms_p50": stats["step_ms_p50"], "device_step_ms_p50": stats["device_step_ms_p50"],
-            "ttft_p50_ms": 1000 * statistics.median(ttft), "tokens_per_s_stream": statistics.median(per_stream),
-            "tokens_per_s_1": single, "tokens_per_s_16": aggregate, "batching_ratio": aggregate / single,
-            "compiles_after_warm_up": _stats(base)["compiles"] - compiles}
+    return {
+        "step_ms_p50": stats["step_ms_p50"],
+        "device_step_ms_p50": stats["device_step_ms_p50"],
+        "ttft_p50_ms": 1000 * statistics.median(ttft),
+        "tokens_per_s_stream": statistics.median(per_stream),
+        "tokens_per_s_1": single,
+        "tokens_per_s_16": aggregate,
+        "batching_ratio": aggregate / single,
+        "compiles_after_warm_up": _stats(base)["compiles"] - compiles,
+    }
 
 
-def run(port: int | None = None, requests: int = 20, max_tokens: int = 64,
-        accelerator_type: str = "TPU-V4", topology: str = "2x2x2") -> dict[str, Any]:
+def run(
+    port: int | None = None,
+    requests: int = 20,
+    max_tokens: int = 64,
+    accelerator_type: str = "TPU-V4",
+    topology: str = "2x2x2",
+) -> dict[str, Any]:
     """Both deployments on the running cluster; returns the figures and the ratios."""
     from ray import serve
 
@@ -99,8 +127,11 @@ def run(port: int | None = None, requests: int = 20, max_tokens: int = 64,
     out["ttft_added_ms"] = s["ttft_p50_ms"] - loc["ttft_p50_ms"]
     out["ttft_ratio"] = s["ttft_p50_ms"] / loc["ttft_p50_ms"]
     out["tokens_per_s_ratio"] = s["tokens_per_s_stream"] / loc["tokens_per_s_stream"]
-    out["goals"] = {"ttft_added_ms<=5": out["ttft_added_ms"] <= 5.0, "batching_ratio>=4": s["batching_ratio"] >= 4,
-                    "no_recompiles": s["compiles_after_warm_up"] == 0 and loc["compiles_after_warm_up"] == 0}
+    out["goals"] = {
+        "ttft_added_ms<=5": out["ttft_added_ms"] <= 5.0,
+        "batching_ratio>=4": s["batching_ratio"] >= 4,
+        "no_recompiles": s["compiles_after_warm_up"] == 0 and loc["compiles_after_warm_up"] == 0,
+    }
     return out
 
 

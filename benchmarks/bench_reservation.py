@@ -53,8 +53,9 @@ def _synthetic_slices(n: int, seed: int = 0) -> list[SliceInfo]:
     out = []
     for i in range(n):
         accel, topo, pod, hosts = shapes[i % len(shapes)]
-        hs = tuple(HostInfo(w, f"n{i}-{w}", "10.0.0.1", True, 4.0, 4.0 if rng.random() > 0.3 else 0.0)
-                   for w in range(hosts))
+        hs = tuple(
+            HostInfo(w, f"n{i}-{w}", "10.0.0.1", True, 4.0, 4.0 if rng.random() > 0.3 else 0.0) for w in range(hosts)
+        )
         out.append(SliceInfo(f"s{i:05d}", accel, topo, pod, 4, hosts, hs))
     return out
 
@@ -63,11 +64,21 @@ def _synthetic_nodes(slices: list[SliceInfo]) -> tuple[list[dict[str, Any]], dic
     nodes, avail = [], {}
     for s in slices:
         for h in s.hosts:
-            nodes.append({"NodeID": h.node_id, "Alive": True, "NodeManagerAddress": h.ip,
-                          "Resources": {"TPU": 4.0},
-                          "Labels": {"ray.io/tpu-slice-name": s.name, "ray.io/tpu-worker-id": str(h.worker_id),
-                                     "ray.io/accelerator-type": s.accelerator_type,
-                                     "ray.io/tpu-topology": s.topology, "ray.io/tpu-pod-type": s.pod_type}})
+            nodes.append(
+                {
+                    "NodeID": h.node_id,
+                    "Alive": True,
+                    "NodeManagerAddress": h.ip,
+                    "Resources": {"TPU": 4.0},
+                    "Labels": {
+                        "ray.io/tpu-slice-name": s.name,
+                        "ray.io/tpu-worker-id": str(h.worker_id),
+                        "ray.io/accelerator-type": s.accelerator_type,
+                        "ray.io/tpu-topology": s.topology,
+                        "ray.io/tpu-pod-type": s.pod_type,
+                    },
+                }
+            )
             avail[h.node_id] = {"TPU": h.chips_free}
     return nodes, avail
 
@@ -85,8 +96,11 @@ def bench_planning(n: int = 10_000, repeats: int = 15) -> dict[str, float]:
         p2 = plan(want, parse_slices(nodes, avail), num_slices=4)
         full_s.append(time.perf_counter() - t0)
     assert p.ok and [s.name for s in p.chosen] == [s.name for s in p2.chosen]
-    return {"slices": n, "plan_ms": 1000 * statistics.median(plan_s),
-            "parse_and_plan_ms": 1000 * statistics.median(full_s)}
+    return {
+        "slices": n,
+        "plan_ms": 1000 * statistics.median(plan_s),
+        "parse_and_plan_ms": 1000 * statistics.median(full_s),
+    }
 
 
 def bench_cycle(topology: str = "2x2x2", accelerator: str = "TPU-V4", rounds: int = 15) -> dict[str, float]:
@@ -98,7 +112,11 @@ def bench_cycle(topology: str = "2x2x2", accelerator: str = "TPU-V4", rounds: in
         ours.append(rayslice_cycle(topology, accelerator))
         theirs.append(ray_cycle(topology, accelerator))
     med_ours, med_theirs = statistics.median(ours), statistics.median(theirs)
-    return {"rounds": rounds, "rayslice_ms": 1000 * med_ours, "ray_ms": 1000 * med_theirs,
-            "ratio": med_ours / med_theirs,
-            "rayslice_p90_ms": 1000 * sorted(ours)[int(0.9 * (rounds - 1))],
-            "ray_p90_ms": 1000 * sorted(theirs)[int(0.9 * (rounds - 1))]}
+    return {
+        "rounds": rounds,
+        "rayslice_ms": 1000 * med_ours,
+        "ray_ms": 1000 * med_theirs,
+        "ratio": med_ours / med_theirs,
+        "rayslice_p90_ms": 1000 * sorted(ours)[int(0.9 * (rounds - 1))],
+        "ray_p90_ms": 1000 * sorted(theirs)[int(0.9 * (rounds - 1))],
+    }

@@ -77,7 +77,7 @@ def _plain_deployment() -> Any:
             out = np.asarray(self.model({"x": np.concatenate(xs)}))
             res, i = [], 0
             for x in xs:
-                res.append(out[i:i + len(x)].tolist())
+                res.append(out[i : i + len(x)].tolist())
                 i += len(x)
             return res
 
@@ -139,9 +139,12 @@ def run(requests_n: int = 200, seconds: float = 5.0, clients: int = 8, rounds: i
     cloudpickle.register_pickle_by_value(sys.modules[__name__])  # hosts cannot import benchmarks/
     port = slice_serve.start_http()
     try:
-        sliced = slice_serve.deployment(accelerator_type="TPU-V4",
-                                        accelerator_config={"type": "tpu", "topology": "2x2x2"},
-                                        input_spec={"x": ((8,), "float32")}, **BATCH)(MLP)
+        sliced = slice_serve.deployment(
+            accelerator_type="TPU-V4",
+            accelerator_config={"type": "tpu", "topology": "2x2x2"},
+            input_spec={"x": ((8,), "float32")},
+            **BATCH,
+        )(MLP)
         serve.run(sliced.bind(), name="slice", route_prefix="/slice")
         serve.run(_plain_deployment(), name="plain", route_prefix="/plain")
         urls = {name: f"http://127.0.0.1:{port}/{name}" for name in ("plain", "slice")}
@@ -154,9 +157,15 @@ def run(requests_n: int = 200, seconds: float = 5.0, clients: int = 8, rounds: i
                 lat = sorted(_latency(url, requests_n))
                 p50s[name].append(1000 * statistics.median(lat))
                 p99s[name].append(1000 * lat[int(0.99 * (len(lat) - 1))])
-        res: dict[str, Any] = {name: {"p50_ms": statistics.median(p50s[name]), "p99_ms": statistics.median(p99s[name]),
-                                      "p50_rounds_ms": p50s[name], "rps": _throughput(url, seconds, clients)}
-                               for name, url in urls.items()}
+        res: dict[str, Any] = {
+            name: {
+                "p50_ms": statistics.median(p50s[name]),
+                "p99_ms": statistics.median(p99s[name]),
+                "p50_rounds_ms": p50s[name],
+                "rps": _throughput(url, seconds, clients),
+            }
+            for name, url in urls.items()
+        }
     finally:
         serve.shutdown()
     added = [s - p for s, p in zip(p50s["slice"], p50s["plain"])]

@@ -21,7 +21,6 @@ import bench_data  # noqa: E402
 import bench_reservation  # noqa: E402
 import bench_serve  # noqa: E402
 import bench_train  # noqa: E402
-
 from rayslice.sim import SimulatedCluster, SliceSpec  # noqa: E402
 
 
@@ -63,68 +62,157 @@ def main() -> int:
     finally:
         sim.shutdown()
     with console.status(f"data feeding, {args.rows:,} rows (own process)"):
-        out = subprocess.run([sys.executable, os.path.join(HERE, "bench_data.py"), f"rows={args.rows}"],
-                             capture_output=True, text=True, timeout=1800)
+        out = subprocess.run(
+            [sys.executable, os.path.join(HERE, "bench_data.py"), f"rows={args.rows}"],
+            capture_output=True,
+            text=True,
+            timeout=1800,
+        )
         if out.returncode:
             console.print(out.stderr[-3000:])
             return 1
         data = json.loads(out.stdout.strip().splitlines()[-1])
 
-    t.add_row(f"reserve->ready->release, v4 2x2x2 (median of {cycle['rounds']})",
-              f"{cycle['rayslice_ms']:.1f} ms", f"{cycle['ray_ms']:.1f} ms (ray.util.tpu)",
-              f"{cycle['ratio']:.3f}x", f"<= {bench_reservation.GOAL_CYCLE_RATIO}x",
-              _met(cycle["ratio"] <= bench_reservation.GOAL_CYCLE_RATIO))
-    t.add_row(f"plan over {planning['slices']:,} slices", f"{planning['plan_ms']:.1f} ms",
-              f"(parse {planning['slices']:,} slices' nodes + plan: {planning['parse_and_plan_ms']:.0f} ms)", "-",
-              f"< {bench_reservation.GOAL_PLAN_MS:g} ms", _met(planning["plan_ms"] < bench_reservation.GOAL_PLAN_MS))
+    t.add_row(
+        f"reserve->ready->release, v4 2x2x2 (median of {cycle['rounds']})",
+        f"{cycle['rayslice_ms']:.1f} ms",
+        f"{cycle['ray_ms']:.1f} ms (ray.util.tpu)",
+        f"{cycle['ratio']:.3f}x",
+        f"<= {bench_reservation.GOAL_CYCLE_RATIO}x",
+        _met(cycle["ratio"] <= bench_reservation.GOAL_CYCLE_RATIO),
+    )
+    t.add_row(
+        f"plan over {planning['slices']:,} slices",
+        f"{planning['plan_ms']:.1f} ms",
+        f"(parse {planning['slices']:,} slices' nodes + plan: {planning['parse_and_plan_ms']:.0f} ms)",
+        "-",
+        f"< {bench_reservation.GOAL_PLAN_MS:g} ms",
+        _met(planning["plan_ms"] < bench_reservation.GOAL_PLAN_MS),
+    )
     r, g = data["rows_per_s"], data["gb_per_s"]
-    label = f"{data['rows']:,} x {data['width']} f32, batch {data['batch_size']}, {data['devices']} {data['platform']} devs"
-    t.add_row(f"iter_jax_batches vs limit ({label})", f"{r['rayslice'] / 1e6:.2f} M rows/s, {g['rayslice']:.2f} GB/s",
-              f"{r['limit'] / 1e6:.2f} M rows/s, {g['limit']:.2f} GB/s (device_put)", f"{data['vs_limit']:.2f}x",
-              f">= {bench_data.GOAL_VS_LIMIT}x", _met(data["vs_limit"] >= bench_data.GOAL_VS_LIMIT))
-    t.add_row("iter_jax_batches vs pipelined limit", "", f"{r['limit2'] / 1e6:.2f} M rows/s, {g['limit2']:.2f} GB/s",
-              f"{data['vs_limit2']:.2f}x", "(info)", "-")
-    t.add_row("iter_jax_batches vs Ray Dataset.iter_jax_batches", "",
-              f"{r['ray'] / 1e6:.2f} M rows/s, {g['ray']:.2f} GB/s", f"{data['vs_ray']:.2f}x",
-              f">= {bench_data.GOAL_VS_RAY}x", _met(data["vs_ray"] >= bench_data.GOAL_VS_RAY))
+    label = (
+        f"{data['rows']:,} x {data['width']} f32, batch {data['batch_size']}, {data['devices']} {data['platform']} devs"
+    )
+    t.add_row(
+        f"iter_jax_batches vs limit ({label})",
+        f"{r['rayslice'] / 1e6:.2f} M rows/s, {g['rayslice']:.2f} GB/s",
+        f"{r['limit'] / 1e6:.2f} M rows/s, {g['limit']:.2f} GB/s (device_put)",
+        f"{data['vs_limit']:.2f}x",
+        f">= {bench_data.GOAL_VS_LIMIT}x",
+        _met(data["vs_limit"] >= bench_data.GOAL_VS_LIMIT),
+    )
+    t.add_row(
+        "iter_jax_batches vs pipelined limit",
+        "",
+        f"{r['limit2'] / 1e6:.2f} M rows/s, {g['limit2']:.2f} GB/s",
+        f"{data['vs_limit2']:.2f}x",
+        "(info)",
+        "-",
+    )
+    t.add_row(
+        "iter_jax_batches vs Ray Dataset.iter_jax_batches",
+        "",
+        f"{r['ray'] / 1e6:.2f} M rows/s, {g['ray']:.2f} GB/s",
+        f"{data['vs_ray']:.2f}x",
+        f">= {bench_data.GOAL_VS_RAY}x",
+        _met(data["vs_ray"] >= bench_data.GOAL_VS_RAY),
+    )
     sp = data["spread"]
-    t.add_row(f"  spread over {data['repeats']} rounds: vs limit / vs Ray", "",
-              f"min-max {sp['vs_limit']['min']:.2f}-{sp['vs_limit']['max']:.2f} / "
-              f"{sp['vs_ray']['min']:.2f}-{sp['vs_ray']['max']:.2f}", "", "(info)", "-")
-    t.add_row("iter_jax_batches vs copying device_put / one device_put per 64 batches", "",
-              f"{r['limit_copy'] / 1e6:.2f} / {r['limit_bulk'] / 1e6:.2f} M rows/s",
-              f"{data['vs_limit_copy']:.2f}x / {data['vs_limit_bulk']:.2f}x", "(info)", "-")
-    t.add_row("jitted step fed by iter_jax_batches vs data already on device", "",
-              f"thread: {data['step_thread_vs_resident']:.3f}x, Ray: {data['step_ray_vs_resident']:.3f}x",
-              f"{data['step_vs_resident']:.3f}x", f">= {bench_data.GOAL_STEP}x",
-              _met(data["step_vs_resident"] >= bench_data.GOAL_STEP))
-    t.add_row("iter_jax_batches vs naive iter_batches+device_put", "",
-              f"{r['naive'] / 1e6:.2f} M rows/s, {g['naive']:.2f} GB/s", f"{data['vs_naive']:.2f}x", "(info)", "-")
-    t.add_row(f"multi-host agreement, {agree['hosts']} hosts, per step", f"{agree['with_us']:.0f} us/step",
-              f"{agree['without_us']:.0f} us/step without", f"+{agree['cost_us']:.0f} us", "(documented)", "-")
+    t.add_row(
+        f"  spread over {data['repeats']} rounds: vs limit / vs Ray",
+        "",
+        f"min-max {sp['vs_limit']['min']:.2f}-{sp['vs_limit']['max']:.2f} / "
+        f"{sp['vs_ray']['min']:.2f}-{sp['vs_ray']['max']:.2f}",
+        "",
+        "(info)",
+        "-",
+    )
+    t.add_row(
+        "iter_jax_batches vs copying device_put / one device_put per 64 batches",
+        "",
+        f"{r['limit_copy'] / 1e6:.2f} / {r['limit_bulk'] / 1e6:.2f} M rows/s",
+        f"{data['vs_limit_copy']:.2f}x / {data['vs_limit_bulk']:.2f}x",
+        "(info)",
+        "-",
+    )
+    t.add_row(
+        "jitted step fed by iter_jax_batches vs data already on device",
+        "",
+        f"thread: {data['step_thread_vs_resident']:.3f}x, Ray: {data['step_ray_vs_resident']:.3f}x",
+        f"{data['step_vs_resident']:.3f}x",
+        f">= {bench_data.GOAL_STEP}x",
+        _met(data["step_vs_resident"] >= bench_data.GOAL_STEP),
+    )
+    t.add_row(
+        "iter_jax_batches vs naive iter_batches+device_put",
+        "",
+        f"{r['naive'] / 1e6:.2f} M rows/s, {g['naive']:.2f} GB/s",
+        f"{data['vs_naive']:.2f}x",
+        "(info)",
+        "-",
+    )
+    t.add_row(
+        f"multi-host agreement, {agree['hosts']} hosts, per step",
+        f"{agree['with_us']:.0f} us/step",
+        f"{agree['without_us']:.0f} us/step without",
+        f"+{agree['cost_us']:.0f} us",
+        "(documented)",
+        "-",
+    )
     fs, ft = train["first_step_s"], train["fit_s"]
-    t.add_row(f"fit() -> first completed step (median of {train['rounds']})", f"{fs['rayslice']:.2f} s",
-              f"{fs['ray']:.2f} s (ray.train.v2.jax.JaxTrainer)", f"{train['first_ratio']:.2f}x",
-              f"<= {bench_train.GOAL_RATIO}x", _met(train["first_ratio"] <= bench_train.GOAL_RATIO))
-    t.add_row("fit() total, 5-step loop", f"{ft['rayslice']:.2f} s", f"{ft['ray']:.2f} s", f"{train['fit_ratio']:.2f}x",
-              f"<= {bench_train.GOAL_RATIO}x", _met(train["fit_ratio"] <= bench_train.GOAL_RATIO))
-    t.add_row(f"trainer per-step overhead ({over['steps']} steps, report() each; "
-              f"report() itself {over['report_us']:.1f} us)",
-              f"{over['reported_ms']:.3f} ms/step", f"{over['bare_ms']:.3f} ms/step bare loop",
-              f"{100 * over['overhead']:+.1f}%", f"<= {100 * bench_train.GOAL_OVERHEAD:g}%",
-              _met(over["overhead"] <= bench_train.GOAL_OVERHEAD))
+    t.add_row(
+        f"fit() -> first completed step (median of {train['rounds']})",
+        f"{fs['rayslice']:.2f} s",
+        f"{fs['ray']:.2f} s (ray.train.v2.jax.JaxTrainer)",
+        f"{train['first_ratio']:.2f}x",
+        f"<= {bench_train.GOAL_RATIO}x",
+        _met(train["first_ratio"] <= bench_train.GOAL_RATIO),
+    )
+    t.add_row(
+        "fit() total, 5-step loop",
+        f"{ft['rayslice']:.2f} s",
+        f"{ft['ray']:.2f} s",
+        f"{train['fit_ratio']:.2f}x",
+        f"<= {bench_train.GOAL_RATIO}x",
+        _met(train["fit_ratio"] <= bench_train.GOAL_RATIO),
+    )
+    t.add_row(
+        f"trainer per-step overhead ({over['steps']} steps, report() each; report() itself {over['report_us']:.1f} us)",
+        f"{over['reported_ms']:.3f} ms/step",
+        f"{over['bare_ms']:.3f} ms/step bare loop",
+        f"{100 * over['overhead']:+.1f}%",
+        f"<= {100 * bench_train.GOAL_OVERHEAD:g}%",
+        _met(over["overhead"] <= bench_train.GOAL_OVERHEAD),
+    )
     sl, pl = srv["slice"], srv["plain"]
-    t.add_row("serve p50 / p99 latency, 1-row HTTP requests", f"{sl['p50_ms']:.1f} / {sl['p99_ms']:.1f} ms",
-              f"{pl['p50_ms']:.1f} / {pl['p99_ms']:.1f} ms (plain Serve, one host)",
-              f"+{srv['added_p50_ms']:.2f} ms p50", f"<= +{bench_serve.GOAL_ADDED_P50_MS:g} ms",
-              _met(srv["added_p50_ms"] <= bench_serve.GOAL_ADDED_P50_MS))
-    t.add_row("serve throughput, 8 concurrent clients", f"{sl['rps']:.0f} req/s", f"{pl['rps']:.0f} req/s",
-              f"{sl['rps'] / pl['rps']:.2f}x", "(info)", "-")
-    t.add_row("recovery: host lost -> next step completed", f"{rec['recovery_s']:.1f} s", "", "-",
-              f"<= {bench_train.GOAL_RECOVERY_S:g} s", _met(rec["recovery_s"] <= bench_train.GOAL_RECOVERY_S))
+    t.add_row(
+        "serve p50 / p99 latency, 1-row HTTP requests",
+        f"{sl['p50_ms']:.1f} / {sl['p99_ms']:.1f} ms",
+        f"{pl['p50_ms']:.1f} / {pl['p99_ms']:.1f} ms (plain Serve, one host)",
+        f"+{srv['added_p50_ms']:.2f} ms p50",
+        f"<= +{bench_serve.GOAL_ADDED_P50_MS:g} ms",
+        _met(srv["added_p50_ms"] <= bench_serve.GOAL_ADDED_P50_MS),
+    )
+    t.add_row(
+        "serve throughput, 8 concurrent clients",
+        f"{sl['rps']:.0f} req/s",
+        f"{pl['rps']:.0f} req/s",
+        f"{sl['rps'] / pl['rps']:.2f}x",
+        "(info)",
+        "-",
+    )
+    t.add_row(
+        "recovery: host lost -> next step completed",
+        f"{rec['recovery_s']:.1f} s",
+        "",
+        "-",
+        f"<= {bench_train.GOAL_RECOVERY_S:g} s",
+        _met(rec["recovery_s"] <= bench_train.GOAL_RECOVERY_S),
+    )
     console.print(t)
-    console.print(f"p90 reservation cycle: rayslice {cycle['rayslice_p90_ms']:.1f} ms, "
-                  f"ray.util.tpu {cycle['ray_p90_ms']:.1f} ms")
+    console.print(
+        f"p90 reservation cycle: rayslice {cycle['rayslice_p90_ms']:.1f} ms, ray.util.tpu {cycle['ray_p90_ms']:.1f} ms"
+    )
     return 0
 
 

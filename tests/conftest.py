@@ -49,7 +49,8 @@ def live_groups(prefix: str = "") -> list[str]:
     import ray
 
     return sorted(
-        g["name"] for g in ray.util.placement_group_table().values()
+        g["name"]
+        for g in ray.util.placement_group_table().values()
         if g["state"] != "REMOVED" and g["name"].startswith(prefix)
     )
 

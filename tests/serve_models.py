@@ -21,8 +21,10 @@ class Dot:
         self.mesh = jax.make_mesh((jax.device_count(),), ("data",))
         self.rows = NamedSharding(self.mesh, P("data"))
         self.w = jax.device_put(WEIGHTS * self.scale, NamedSharding(self.mesh, P()))
-        self.f = jax.jit(lambda x, w: {"y": x @ w, "total": (x @ w).sum() * 0 + x.sum()},
-                         out_shardings={"y": self.rows, "total": NamedSharding(self.mesh, P())})
+        self.f = jax.jit(
+            lambda x, w: {"y": x @ w, "total": (x @ w).sum() * 0 + x.sum()},
+            out_shardings={"y": self.rows, "total": NamedSharding(self.mesh, P())},
+        )
         self.hosts = jax.process_count()
 
     def __call__(self, batch):

@@ -19,8 +19,13 @@ RAYSLICE = [sys.executable, "-m", "rayslice.cli"]
 
 
 def run(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([*RAYSLICE, *args], capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "COLUMNS": "200", **(env or {})})
+    return subprocess.run(
+        [*RAYSLICE, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "COLUMNS": "200", **(env or {})},
+    )
 
 
 def test_topology_facts():
@@ -28,8 +33,11 @@ def test_topology_facts():
     assert out.returncode == 0, out.stderr
     for fact in ("TPU-V6E", "v6e-16", "TPU-v6e-16-head", "tpu-v6e-slice", "ct6e-standard-4t"):
         assert fact in out.stdout
-    lines = {line.split("│")[1].strip(): line.split("│")[2].strip() for line in out.stdout.splitlines()
-             if line.count("│") >= 3}
+    lines = {
+        line.split("│")[1].strip(): line.split("│")[2].strip()
+        for line in out.stdout.splitlines()
+        if line.count("│") >= 3
+    }
     assert lines["chips"] == "16" and lines["hosts (TPU VMs = Ray nodes)"] == "4" and lines["chips per host"] == "4"
 
 
@@ -40,11 +48,14 @@ def test_topology_lists_shapes():
         assert f" {shape} " in out.stdout
 
 
-@pytest.mark.parametrize("args, message", [
-    (("topology", "v6e", "4x5"), "error: '4x5' is not a v6e topology; valid: 1x1, 2x2, 2x4, 4x4"),
-    (("topology", "v9z"), "error: "),
-    (("sim", "up", "--slice", "v4-2x2x2"), "is not a slice; expected GEN:TOPOLOGY"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (("topology", "v6e", "4x5"), "error: '4x5' is not a v6e topology; valid: 1x1, 2x2, 2x4, 4x4"),
+        (("topology", "v9z"), "error: "),
+        (("sim", "up", "--slice", "v4-2x2x2"), "is not a slice; expected GEN:TOPOLOGY"),
+    ],
+)
 def test_bad_input_is_one_line_not_a_traceback(args, message):
     out = run(*args)
     assert out.returncode == 1
@@ -54,8 +65,10 @@ def test_bad_input_is_one_line_not_a_traceback(args, message):
 
 @pytest.mark.ray
 def test_status_shows_slices_and_reservations(ray_cluster):
-    with busy_host(SLICE_A, 1), rayslice.slice_placement_group("2x2x2", "TPU-V4", name="held-job",
-                                                               timeout_s=30, progress=False):
+    with (
+        busy_host(SLICE_A, 1),
+        rayslice.slice_placement_group("2x2x2", "TPU-V4", name="held-job", timeout_s=30, progress=False),
+    ):
         # Both slices are now taken: a second reservation waits, and status shows it.
         errors: list[BaseException] = []
 

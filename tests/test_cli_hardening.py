@@ -25,23 +25,28 @@ def _one_line_error(out: subprocess.CompletedProcess, *fragments: str) -> None:
 
 def test_detach_with_a_bad_timeout_spawns_nothing(tmp_path):
     before = {p.pid for p in psutil.process_iter()}
-    out = run("sim", "up", "--slice", "v4:2x2x1", "--detach", "--timeout-s", "-5",
-              env={"RAYSLICE_HOME": str(tmp_path)})
+    out = run("sim", "up", "--slice", "v4:2x2x1", "--detach", "--timeout-s", "-5", env={"RAYSLICE_HOME": str(tmp_path)})
     _one_line_error(out, "--timeout-s=-5")
     assert not (tmp_path / "sim.log").exists() and not (tmp_path / "sim.json").exists()
-    spawned = [p for p in psutil.process_iter(["pid", "cmdline"])
-               if p.pid not in before and "rayslice.cli" in " ".join(p.info["cmdline"] or [])]
+    spawned = [
+        p
+        for p in psutil.process_iter(["pid", "cmdline"])
+        if p.pid not in before and "rayslice.cli" in " ".join(p.info["cmdline"] or [])
+    ]
     assert spawned == []
 
 
-@pytest.mark.parametrize("args, fragment", [
-    (("sim", "up", "--slice", "v4:2x2x1", "--head-cpus", "0", "--detach"), "--head-cpus=0"),
-    (("sim", "up", "--slice", "v4:4x4"), "'4x4' is not a v4 topology"),
-    (("sim", "down", "--timeout-s", "0"), "--timeout-s=0"),
-    (("topology", "4x4"), "which generation"),
-    (("explain", "2x2x2", "v9"), "'v9' is not a known TPU generation"),
-    (("explain", "2x2x2", "v4", "--num-slices", "0"), "num_slices=0"),
-])
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (("sim", "up", "--slice", "v4:2x2x1", "--head-cpus", "0", "--detach"), "--head-cpus=0"),
+        (("sim", "up", "--slice", "v4:4x4"), "'4x4' is not a v4 topology"),
+        (("sim", "down", "--timeout-s", "0"), "--timeout-s=0"),
+        (("topology", "4x4"), "which generation"),
+        (("explain", "2x2x2", "v9"), "'v9' is not a known TPU generation"),
+        (("explain", "2x2x2", "v4", "--num-slices", "0"), "num_slices=0"),
+    ],
+)
 def test_bad_arguments_are_one_line_errors(tmp_path, args, fragment):
     _one_line_error(run(*args, env={"RAYSLICE_HOME": str(tmp_path)}), fragment)
 
@@ -60,8 +65,10 @@ def test_sim_down_never_signals_a_process_it_did_not_start(tmp_path):
     victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         started = psutil.Process(victim.pid).create_time()
-        for state in ({"pid": victim.pid, "address": "127.0.0.1:1", "started": started},  # not our command
-                      {"pid": victim.pid, "address": "127.0.0.1:1", "started": started - 100}):  # reused pid
+        for state in (
+            {"pid": victim.pid, "address": "127.0.0.1:1", "started": started},  # not our command
+            {"pid": victim.pid, "address": "127.0.0.1:1", "started": started - 100},
+        ):  # reused pid
             (tmp_path / "sim.json").write_text(json.dumps(state))
             out = run("sim", "down", env={"RAYSLICE_HOME": str(tmp_path)})
             _one_line_error(out, "no simulated cluster is running")
@@ -94,6 +101,11 @@ def test_topology_and_explain_take_either_order():
 
 def test_topology_cli_runs_without_a_home(tmp_path):
     env = {**os.environ, "RAYSLICE_HOME": str(tmp_path / "never" / "created")}
-    out = subprocess.run([sys.executable, "-m", "rayslice.cli", "topology", "2x2x2", "v4"], capture_output=True,
-                         text=True, env=env, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "rayslice.cli", "topology", "2x2x2", "v4"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
     assert out.returncode == 0 and not (tmp_path / "never").exists()

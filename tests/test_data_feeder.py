@@ -130,10 +130,16 @@ def test_dtypes_cast_on_host():
 
 
 def test_columns_and_arrow_tables():
-    tables = [pa.table({"id": pa.array(np.arange(i, i + 4)),
-                        "v": pa.FixedSizeListArray.from_arrays(
-                            pa.array(np.arange(8 * i, 8 * i + 8, dtype=np.float32)), 2),
-                        "skip": pa.array(["s"] * 4)}) for i in range(0, 12, 4)]
+    tables = [
+        pa.table(
+            {
+                "id": pa.array(np.arange(i, i + 4)),
+                "v": pa.FixedSizeListArray.from_arrays(pa.array(np.arange(8 * i, 8 * i + 8, dtype=np.float32)), 2),
+                "skip": pa.array(["s"] * 4),
+            }
+        )
+        for i in range(0, 12, 4)
+    ]
     batches = list(iter_jax_batches(tables, batch_size=4, columns=["id", "v"]))
     assert [sorted(b) for b in batches] == [["id", "v"]] * 3
     assert batches[1]["v"].shape == (4, 2)
@@ -150,8 +156,10 @@ def test_resume_from_every_step_is_identical(ragged):
             next(it)
         state = json.loads(json.dumps(it.state()))  # JSON-able, as a checkpoint stores it
         it.close()
-        rest = [{kk: np.asarray(v) for kk, v in b.items()}
-                for b in iter_jax_batches(source, batch_size=8, ragged=ragged, state=state)]
+        rest = [
+            {kk: np.asarray(v) for kk, v in b.items()}
+            for b in iter_jax_batches(source, batch_size=8, ragged=ragged, state=state)
+        ]
         assert len(rest) == len(full) - k
         for a, b in zip(rest, full[k:]):
             assert a.keys() == b.keys()
@@ -182,11 +190,14 @@ def test_source_errors_surface_in_order():
         next(it)
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"ragged": "truncate"}, "ragged='truncate' is not valid: expected one of 'raise', 'drop', 'pad', 'keep'"),
-    ({"batch_size": 0}, "batch_size=0 is not valid: expected an integer >= 1"),
-    ({"prefetch": 0}, "prefetch=0 is not valid: expected an integer >= 1 and <= 1024"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"ragged": "truncate"}, "ragged='truncate' is not valid: expected one of 'raise', 'drop', 'pad', 'keep'"),
+        ({"batch_size": 0}, "batch_size=0 is not valid: expected an integer >= 1"),
+        ({"prefetch": 0}, "prefetch=0 is not valid: expected an integer >= 1 and <= 1024"),
+    ],
+)
 def test_bad_arguments(kwargs, message):
     args = {"batch_size": 8, **kwargs}
     with pytest.raises(InvalidArgument) as info:

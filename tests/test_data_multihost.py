@@ -36,8 +36,10 @@ def _consume(shard, batch_size: int, ragged: str) -> dict:
 
 
 def _run(per_host_sources, batch_size, ragged):
-    with rayslice.slice_placement_group("2x2x2", "TPU-V4", timeout_s=60, progress=False) as spg, \
-            rayslice.SliceGang(spg, init_timeout_s=90) as gang:
+    with (
+        rayslice.slice_placement_group("2x2x2", "TPU-V4", timeout_s=60, progress=False) as spg,
+        rayslice.SliceGang(spg, init_timeout_s=90) as gang,
+    ):
         refs = [a.call.remote(_consume, (src, batch_size, ragged), {}) for a, src in zip(gang.actors, per_host_sources)]
         import ray
 
@@ -61,6 +63,7 @@ def test_ray_dataset_split_every_row_once_over_two_hosts(ray_cluster):
 def _host_rows(n0: int, n1: int):
     def make(lo, n):
         return [{"id": np.arange(lo, lo + n)}] if n else []
+
     return [make(0, n0), make(1000, n1)]
 
 
@@ -98,9 +101,17 @@ def test_batch_predict_every_row_once_aligned(ray_cluster):
     n = 203
     big = 2**40  # ids beyond int32: they must come back exactly
     ds = ray.data.range(n).map_batches(
-        lambda b: {"id": b["id"] + big, "x": b["id"].astype(np.float32), "v": np.ones((len(b["id"]), 3), np.float32)})
-    out = rayslice.data.batch_predict(ds, _double, topology="2x2x2", accelerator_type="TPU-V4", batch_size=8,
-                                      input_columns=["x", "v"], keep_columns=["id"])
+        lambda b: {"id": b["id"] + big, "x": b["id"].astype(np.float32), "v": np.ones((len(b["id"]), 3), np.float32)}
+    )
+    out = rayslice.data.batch_predict(
+        ds,
+        _double,
+        topology="2x2x2",
+        accelerator_type="TPU-V4",
+        batch_size=8,
+        input_columns=["x", "v"],
+        keep_columns=["id"],
+    )
     rows = out.take_all()
     assert len(rows) == n  # no padded row leaks
     by_id = {r["id"] - big: r for r in rows}
@@ -130,8 +141,9 @@ def test_ray_dataset_in_one_process(ray_cluster):
             next(it)
         state = it.state()
         it.close()
-        rest = [np.asarray(b["id"]).tolist() for b in iter_jax_batches(ordered, batch_size=8, ragged="drop",
-                                                                          state=state)]
+        rest = [
+            np.asarray(b["id"]).tolist() for b in iter_jax_batches(ordered, batch_size=8, ragged="drop", state=state)
+        ]
         assert rest == [list(range(i, i + 8)) for i in range(8 * consumed, 400, 8)]
 
 
@@ -157,9 +169,16 @@ def test_batch_predict_with_setup_state(ray_cluster):
     import ray
 
     ds = ray.data.range(40).map_batches(lambda b: {"id": b["id"], "x": b["id"].astype(np.float32)})
-    out = rayslice.data.batch_predict(ds, _predict_with_state, setup=_load_state, topology="2x2x2",
-                                      accelerator_type="TPU-V4", batch_size=8, input_columns=["x"],
-                                      keep_columns=["id"])
+    out = rayslice.data.batch_predict(
+        ds,
+        _predict_with_state,
+        setup=_load_state,
+        topology="2x2x2",
+        accelerator_type="TPU-V4",
+        batch_size=8,
+        input_columns=["x"],
+        keep_columns=["id"],
+    )
     rows = sorted(out.take_all(), key=lambda r: r["id"])
     assert [r["prediction"] for r in rows] == [3.0 * i for i in range(40)]
 
@@ -193,13 +212,18 @@ def _disagreeing_hosts() -> list[str]:
 def test_hosts_that_disagree_fail_together_naming_the_difference(ray_cluster):
     import ray
 
-    with rayslice.slice_placement_group("2x2x2", "TPU-V4", timeout_s=60, progress=False) as spg, \
-            rayslice.SliceGang(spg, init_timeout_s=90) as gang:
+    with (
+        rayslice.slice_placement_group("2x2x2", "TPU-V4", timeout_s=60, progress=False) as spg,
+        rayslice.SliceGang(spg, init_timeout_s=90) as gang,
+    ):
         h0, h1 = ray.get([a.call.remote(_disagreeing_hosts, (), {}) for a in gang.actors], timeout=180)
-    assert h0[0] == h1[0] == "ValueError: hosts disagree on batch_size (host 0: 8, host 1: 16); " \
-                             "every host must pass the same batch_size"
-    assert h0[1] == h1[1] and h0[1].startswith("ValueError: hosts have different columns: host 0: ['id', 'x'], "
-                                               "host 1: ['id'] (missing on host 1: ['x']")
+    assert (
+        h0[0] == h1[0] == "ValueError: hosts disagree on batch_size (host 0: 8, host 1: 16); "
+        "every host must pass the same batch_size"
+    )
+    assert h0[1] == h1[1] and h0[1].startswith(
+        "ValueError: hosts have different columns: host 0: ['id', 'x'], host 1: ['id'] (missing on host 1: ['x']"
+    )
     assert h0[2] == h1[2] and "column 'x' is int32[] on host 0 but float32[] on host 1" in h0[2]
     # A host whose own data is bad fails with the reason; the other learns it at once instead of hanging.
     assert h1[3].startswith("TypeError: column 'name' holds strings") and "host_columns=['name']" in h1[3]
@@ -213,15 +237,18 @@ def test_batch_predict_on_a_held_slice_and_from_a_slice_request(ray_cluster):
 
     from rayslice.request import SliceRequest
 
-    ds = ray.data.range(24).map_batches(lambda b: {"id": b["id"], "x": b["id"].astype(np.float32),
-                                                   "v": np.ones((len(b["id"]), 3), np.float32)})
+    ds = ray.data.range(24).map_batches(
+        lambda b: {"id": b["id"], "x": b["id"].astype(np.float32), "v": np.ones((len(b["id"]), 3), np.float32)}
+    )
     request = SliceRequest.parse("2x2x2", "TPU-V4")  # built once, passed down
     with rayslice.slice_placement_group(request, timeout_s=60, progress=False) as spg:
-        out = rayslice.data.batch_predict(ds, _double, tpu_slice=spg, batch_size=8, input_columns=["x", "v"],
-                                          keep_columns=["id"])
+        out = rayslice.data.batch_predict(
+            ds, _double, tpu_slice=spg, batch_size=8, input_columns=["x", "v"], keep_columns=["id"]
+        )
         assert not spg.released  # the caller's reservation: neither reserved again nor released
         assert sorted((r["id"], r["y"]) for r in out.take_all()) == [(i, 2.0 * i) for i in range(24)]
-    out = rayslice.data.batch_predict(ds, _double, topology=request, batch_size=8, input_columns=["x", "v"],
-                                      keep_columns=["id"])
+    out = rayslice.data.batch_predict(
+        ds, _double, topology=request, batch_size=8, input_columns=["x", "v"], keep_columns=["id"]
+    )
     assert out.count() == 24
     assert live_groups(PG_NAME_PREFIX) == []

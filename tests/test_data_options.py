@@ -47,8 +47,15 @@ def check_message(exc: BaseException, name: str, value: object) -> str:
     return msg
 
 
-not_an_int = st.one_of(st.floats(allow_nan=True), st.text(max_size=5), st.booleans(), st.none(),
-                       st.lists(st.integers(), max_size=2), st.just(np.float32(4.0)), st.complex_numbers())
+not_an_int = st.one_of(
+    st.floats(allow_nan=True),
+    st.text(max_size=5),
+    st.booleans(),
+    st.none(),
+    st.lists(st.integers(), max_size=2),
+    st.just(np.float32(4.0)),
+    st.complex_numbers(),
+)
 
 
 @MANY
@@ -65,8 +72,14 @@ def test_batch_size_accepts_positive_ints(value):
 
 
 @MANY
-@given(value=st.one_of(st.text(max_size=8).filter(lambda s: s.strip().lower() not in {"raise", "drop", "pad", "keep"}),
-                       st.integers(), st.none(), st.booleans()))
+@given(
+    value=st.one_of(
+        st.text(max_size=8).filter(lambda s: s.strip().lower() not in {"raise", "drop", "pad", "keep"}),
+        st.integers(),
+        st.none(),
+        st.booleans(),
+    )
+)
 def test_ragged_refuses_unknown_policies(value):
     assert "one of 'raise', 'drop', 'pad', 'keep'" in refused("ragged", value)
 
@@ -74,8 +87,7 @@ def test_ragged_refuses_unknown_policies(value):
 @MANY
 @given(value=st.sampled_from(["raise", "drop", "pad", "keep"]), upper=st.booleans())
 def test_ragged_accepts_its_strings_in_any_case(value, upper):
-    policy = FeederOptions(ragged=value.upper() if upper else value,
-                           pad_value=0).ragged
+    policy = FeederOptions(ragged=value.upper() if upper else value, pad_value=0).ragged
     assert policy is Ragged(value) and policy == value  # a str enum: compares equal to its string
 
 
@@ -90,9 +102,14 @@ def test_columns_refuse_a_lone_string(value):
 
 
 @MANY
-@given(value=st.one_of(st.lists(st.one_of(st.integers(), st.just(""), st.none()), min_size=1, max_size=3),
-                       st.lists(st.sampled_from(["a", "b"]), min_size=3, max_size=4),  # duplicates
-                       st.integers(), st.dictionaries(st.text(max_size=2), st.integers(), max_size=2)))
+@given(
+    value=st.one_of(
+        st.lists(st.one_of(st.integers(), st.just(""), st.none()), min_size=1, max_size=3),
+        st.lists(st.sampled_from(["a", "b"]), min_size=3, max_size=4),  # duplicates
+        st.integers(),
+        st.dictionaries(st.text(max_size=2), st.integers(), max_size=2),
+    )
+)
 def test_columns_refuse_non_lists_of_distinct_names(value):
     refused("columns", value)
 
@@ -104,23 +121,39 @@ def test_columns_accept_lists_of_distinct_names(value):
 
 
 @MANY
-@given(name=st.sampled_from(["prefetch", "agree_window"]), value=st.one_of(not_an_int, st.integers(max_value=0),
-                                                                          st.integers(min_value=5000)))
+@given(
+    name=st.sampled_from(["prefetch", "agree_window"]),
+    value=st.one_of(not_an_int, st.integers(max_value=0), st.integers(min_value=5000)),
+)
 def test_counts_refuse_bad_values(name, value):
     refused(name, value)
 
 
 @MANY
-@given(value=st.one_of(st.floats(max_value=0), st.floats(allow_nan=True).filter(lambda f: f != f),
-                       st.just(float("inf")), st.text(max_size=3), st.booleans(), st.none()))
+@given(
+    value=st.one_of(
+        st.floats(max_value=0),
+        st.floats(allow_nan=True).filter(lambda f: f != f),
+        st.just(float("inf")),
+        st.text(max_size=3),
+        st.booleans(),
+        st.none(),
+    )
+)
 def test_agreement_timeout_must_be_a_positive_finite_number(value):
     refused("agreement_timeout_s", value)
 
 
 @MANY
-@given(value=st.one_of(st.lists(st.integers(), max_size=2), st.none(), st.just(object()), st.just({1: 2}),
-                       st.dictionaries(st.text(min_size=1, max_size=2), st.lists(st.integers()), min_size=1,
-                                       max_size=2)))
+@given(
+    value=st.one_of(
+        st.lists(st.integers(), max_size=2),
+        st.none(),
+        st.just(object()),
+        st.just({1: 2}),
+        st.dictionaries(st.text(min_size=1, max_size=2), st.lists(st.integers()), min_size=1, max_size=2),
+    )
+)
 def test_pad_value_must_be_a_scalar_or_a_mapping_of_scalars(value):
     refused("pad_value", value, ragged="pad")
 
@@ -132,9 +165,16 @@ def test_pad_value_without_padding_is_refused_not_ignored(value):
 
 
 @MANY
-@given(value=st.one_of(st.integers(), st.booleans(), st.none(), st.sampled_from(["float33", "U8", "object", "str",
-                                                                                   "nope", "datetime64[s]"]),
-                       st.just(object), st.just(str)))
+@given(
+    value=st.one_of(
+        st.integers(),
+        st.booleans(),
+        st.none(),
+        st.sampled_from(["float33", "U8", "object", "str", "nope", "datetime64[s]"]),
+        st.just(object),
+        st.just(str),
+    )
+)
 def test_dtypes_refuse_what_devices_cannot_hold(value):
     if value is None:
         return  # None means no cast
@@ -190,8 +230,9 @@ def test_options_are_frozen_and_travel_to_hosts():
 
 # -- resume state -------------------------------------------------------------------------------------------------
 
-good_state = st.fixed_dictionaries({"version": st.just(1), "batches": st.integers(0, 10**9),
-                                    "rows": st.integers(0, 10**12), "finished": st.booleans()})
+good_state = st.fixed_dictionaries(
+    {"version": st.just(1), "batches": st.integers(0, 10**9), "rows": st.integers(0, 10**12), "finished": st.booleans()}
+)
 
 
 @MANY
@@ -201,8 +242,11 @@ def test_good_states_round_trip(state):
 
 
 @MANY
-@given(state=good_state, key=st.sampled_from(["batches", "rows", "finished", "version"]),
-       bad=st.one_of(st.integers(max_value=-1), st.floats(), st.text(max_size=3), st.none(), st.integers(2, 9)))
+@given(
+    state=good_state,
+    key=st.sampled_from(["batches", "rows", "finished", "version"]),
+    bad=st.one_of(st.integers(max_value=-1), st.floats(), st.text(max_size=3), st.none(), st.integers(2, 9)),
+)
 def test_bad_states_name_the_field(state, key, bad):
     if key in ("batches", "rows") and isinstance(bad, int) and bad >= 0:
         return  # a valid count
@@ -221,6 +265,7 @@ def test_states_that_are_not_states(state):
 
 # -- Ray's names ----------------------------------------------------------------------------------------------------
 
+
 @MANY
 @given(a=st.integers(1, 50), b=st.integers(1, 50))
 def test_a_name_and_its_ray_alias_must_agree(a, b):
@@ -234,23 +279,26 @@ def test_a_name_and_its_ray_alias_must_agree(a, b):
         build_options(pad_value=a, paddings=b)
 
 
-@pytest.mark.parametrize("kwargs, start", [
-    (dict(drop_last=True, ragged="pad"), "drop_last=True"),
-    (dict(drop_last=True, ragged="keep"), "drop_last=True"),
-    (dict(paddings=0, ragged="drop"), "paddings=0"),
-    (dict(paddings=0, ragged="raise"), "paddings=0"),
-    (dict(drop_last=1), "drop_last=1"),
-    (dict(drop_last="yes"), "drop_last='yes'"),
-    (dict(prefetch_batches=-1), "prefetch_batches=-1"),
-    (dict(prefetch_batches=1.0), "prefetch_batches=1.0"),
-    (dict(paddings=[0]), "paddings=[0]"),
-    (dict(paddings={"x": None}), "paddings['x']=None"),
-    (dict(synchronize_batches="no"), "agree='no'"),
-    (dict(agree=True, synchronize_batches=False), "synchronize_batches=False"),
-    (dict(collate_fn=3), "collate_fn=3"),
-    (dict(batch_size=4.0), "batch_size=4.0"),
-    (dict(columns="id"), "columns='id'"),
-])
+@pytest.mark.parametrize(
+    "kwargs, start",
+    [
+        (dict(drop_last=True, ragged="pad"), "drop_last=True"),
+        (dict(drop_last=True, ragged="keep"), "drop_last=True"),
+        (dict(paddings=0, ragged="drop"), "paddings=0"),
+        (dict(paddings=0, ragged="raise"), "paddings=0"),
+        (dict(drop_last=1), "drop_last=1"),
+        (dict(drop_last="yes"), "drop_last='yes'"),
+        (dict(prefetch_batches=-1), "prefetch_batches=-1"),
+        (dict(prefetch_batches=1.0), "prefetch_batches=1.0"),
+        (dict(paddings=[0]), "paddings=[0]"),
+        (dict(paddings={"x": None}), "paddings['x']=None"),
+        (dict(synchronize_batches="no"), "agree='no'"),
+        (dict(agree=True, synchronize_batches=False), "synchronize_batches=False"),
+        (dict(collate_fn=3), "collate_fn=3"),
+        (dict(batch_size=4.0), "batch_size=4.0"),
+        (dict(columns="id"), "columns='id'"),
+    ],
+)
 def test_ray_arguments_are_checked(kwargs, start):
     BAD_INPUTS[0] += 1
     with pytest.raises(InvalidArgument) as info:
@@ -258,21 +306,24 @@ def test_ray_arguments_are_checked(kwargs, start):
     assert str(info.value).startswith(start), str(info.value)
 
 
-@pytest.mark.parametrize("kwargs, ragged, mask_key", [
-    ({}, Ragged.RAISE, "mask"),
-    (dict(ragged="pad"), Ragged.PAD, "mask"),
-    (dict(pad_value=0), Ragged.PAD, "mask"),
-    (dict(drop_last=True), Ragged.DROP, "mask"),
-    (dict(drop_last=True, paddings=0), Ragged.DROP, "mask"),  # as in Ray, dropping wins
-    (dict(drop_last=False), Ragged.KEEP, "mask"),
-    (dict(prefetch_batches=1), Ragged.KEEP, "mask"),
-    (dict(synchronize_batches=False), Ragged.KEEP, "mask"),
-    (dict(local_shuffle_buffer_size=4), Ragged.KEEP, "mask"),
-    (dict(paddings=0), Ragged.PAD, None),  # Ray's padding yields no mask
-    (dict(paddings=0, mask_key="valid"), Ragged.PAD, "valid"),
-    (dict(paddings=0, ragged="pad"), Ragged.PAD, "mask"),
-    (dict(drop_last=False, ragged="raise"), Ragged.RAISE, "mask"),
-])
+@pytest.mark.parametrize(
+    "kwargs, ragged, mask_key",
+    [
+        ({}, Ragged.RAISE, "mask"),
+        (dict(ragged="pad"), Ragged.PAD, "mask"),
+        (dict(pad_value=0), Ragged.PAD, "mask"),
+        (dict(drop_last=True), Ragged.DROP, "mask"),
+        (dict(drop_last=True, paddings=0), Ragged.DROP, "mask"),  # as in Ray, dropping wins
+        (dict(drop_last=False), Ragged.KEEP, "mask"),
+        (dict(prefetch_batches=1), Ragged.KEEP, "mask"),
+        (dict(synchronize_batches=False), Ragged.KEEP, "mask"),
+        (dict(local_shuffle_buffer_size=4), Ragged.KEEP, "mask"),
+        (dict(paddings=0), Ragged.PAD, None),  # Ray's padding yields no mask
+        (dict(paddings=0, mask_key="valid"), Ragged.PAD, "valid"),
+        (dict(paddings=0, ragged="pad"), Ragged.PAD, "mask"),
+        (dict(drop_last=False, ragged="raise"), Ragged.RAISE, "mask"),
+    ],
+)
 def test_which_last_batch_policy_a_call_gets(kwargs, ragged, mask_key):
     opts = build_options(**kwargs)
     assert opts.ragged is ragged and (opts.mask_key == mask_key or ragged is not Ragged.PAD)
@@ -280,9 +331,15 @@ def test_which_last_batch_policy_a_call_gets(kwargs, ragged, mask_key):
 
 # -- the step rule ----------------------------------------------------------------------------------------------------
 
+
 @MANY
-@given(batch=st.integers(1, 16), hosts=st.integers(1, 4), data=st.data(), ragged=st.sampled_from(list(Ragged)),
-       shards_per_host=st.sampled_from([1, 2, 4]))
+@given(
+    batch=st.integers(1, 16),
+    hosts=st.integers(1, 4),
+    data=st.data(),
+    ragged=st.sampled_from(list(Ragged)),
+    shards_per_host=st.sampled_from([1, 2, 4]),
+)
 def test_every_host_takes_the_same_documented_step(batch, hosts, data, ragged, shards_per_host):
     counts = data.draw(st.lists(st.integers(0, batch), min_size=hosts, max_size=hosts))
     shards = shards_per_host * hosts

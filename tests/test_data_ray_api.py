@@ -21,9 +21,14 @@ from rayslice.errors import InvalidArgument  # noqa: E402
 
 def rows(n: int, chunk: int = 10):
     """n rows with an int id, a float feature vector and a float label, in source batches of ``chunk``."""
-    return [{"id": np.arange(i, min(n, i + chunk)),
-             "x": np.stack([np.arange(i, min(n, i + chunk))] * 3, axis=1).astype(np.float64),
-             "y": np.arange(i, min(n, i + chunk)).astype(np.float64) / 2} for i in range(0, n, chunk)]
+    return [
+        {
+            "id": np.arange(i, min(n, i + chunk)),
+            "x": np.stack([np.arange(i, min(n, i + chunk))] * 3, axis=1).astype(np.float64),
+            "y": np.arange(i, min(n, i + chunk)).astype(np.float64) / 2,
+        }
+        for i in range(0, n, chunk)
+    ]
 
 
 def test_batch_size_defaults_to_rays_256():
@@ -114,8 +119,11 @@ def test_collate_fn_must_keep_the_rows():
 
 def test_local_shuffle_is_a_seeded_permutation_of_every_row():
     def ids(seed):
-        return [i for b in iter_jax_batches(rows(64), batch_size=8, local_shuffle_buffer_size=16,
-                                            local_shuffle_seed=seed) for i in np.asarray(b["id"]).tolist()]
+        return [
+            i
+            for b in iter_jax_batches(rows(64), batch_size=8, local_shuffle_buffer_size=16, local_shuffle_seed=seed)
+            for i in np.asarray(b["id"]).tolist()
+        ]
 
     a, b, c = ids(1), ids(1), ids(2)
     assert sorted(a) == list(range(64)) and a == b and a != c and a != list(range(64))

@@ -26,9 +26,11 @@ def blocks(sizes, width=3):
 
 # -- rebatching: views inside a block, one staging buffer across blocks ------------------------------------------
 
+
 @settings(max_examples=150, deadline=None)
-@given(sizes=st.lists(st.integers(0, 40), min_size=1, max_size=12), batch_size=st.integers(1, 30),
-       skip=st.integers(0, 60))
+@given(
+    sizes=st.lists(st.integers(0, 40), min_size=1, max_size=12), batch_size=st.integers(1, 30), skip=st.integers(0, 60)
+)
 def test_rebatch_is_exact_and_copies_only_across_blocks(sizes, batch_size, skip):
     src = blocks(sizes)
     total = sum(sizes)
@@ -82,6 +84,7 @@ def test_aligned_buffers_and_the_ring_reuse_only_finished_copies():
 
 # -- pipeline: sync (no thread) and thread give the same batches and states ---------------------------------------
 
+
 def _run(opts, src, steps=None):
     it = iter_jax_batches(src, options=opts)
     out = []
@@ -93,13 +96,16 @@ def _run(opts, src, steps=None):
 
 
 @pytest.mark.parametrize("ragged", ["pad", "drop", "keep"])
-@pytest.mark.parametrize("kw", [
-    dict(pipeline="sync"),
-    dict(pipeline="thread"),
-    dict(pipeline="sync", staging="pinned"),
-    dict(pipeline="thread", staging="pinned", transfer_threads=3),
-    dict(pipeline="sync", transfer_threads=2),
-])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(pipeline="sync"),
+        dict(pipeline="thread"),
+        dict(pipeline="sync", staging="pinned"),
+        dict(pipeline="thread", staging="pinned", transfer_threads=3),
+        dict(pipeline="sync", transfer_threads=2),
+    ],
+)
 def test_every_path_yields_the_same_batches(ragged, kw):
     sizes = [5, 9, 1, 30, 2, 13, 4]  # 64 rows; batches span blocks and lie inside them
     base = FeederOptions(batch_size=8 if ragged == "keep" else 12, ragged=ragged, host_columns=("id",))
@@ -135,11 +141,14 @@ def test_auto_is_sync_on_cpu_and_rays_zero_prefetch_means_sync():
         iter_jax_batches(blocks([16]), batch_size=8, prefetch_batches=0, pipeline="thread")
 
 
-@pytest.mark.parametrize("field, value, start", [
-    ("pipeline", "async", "pipeline='async' is not valid: expected one of 'auto', 'thread', 'sync'"),
-    ("staging", True, "staging=True is not valid: expected one of 'auto', 'pinned', 'pageable'"),
-    ("transfer_threads", -1, "transfer_threads=-1 is not valid: expected an integer >= 0"),
-])
+@pytest.mark.parametrize(
+    "field, value, start",
+    [
+        ("pipeline", "async", "pipeline='async' is not valid: expected one of 'auto', 'thread', 'sync'"),
+        ("staging", True, "staging=True is not valid: expected one of 'auto', 'pinned', 'pageable'"),
+        ("transfer_threads", -1, "transfer_threads=-1 is not valid: expected an integer >= 0"),
+    ],
+)
 def test_bad_pipeline_options(field, value, start):
     with pytest.raises(InvalidArgument) as info:
         FeederOptions(**{field: value})

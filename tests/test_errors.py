@@ -21,8 +21,9 @@ from rayslice.errors import (
 
 def task_error(cause: BaseException) -> rex.RayTaskError:
     """A RayTaskError as a worker builds it (pid/ip given so nothing is looked up)."""
-    return rex.RayTaskError(function_name="f", traceback_str="tb", cause=cause,
-                            proctitle="ray::f", pid=1234, ip="10.0.0.1")
+    return rex.RayTaskError(
+        function_name="f", traceback_str="tb", cause=cause, proctitle="ray::f", pid=1234, ip="10.0.0.1"
+    )
 
 
 def test_task_error_helper_keeps_its_cause():
@@ -30,27 +31,31 @@ def test_task_error_helper_keeps_its_cause():
     assert isinstance(err.cause, ValueError) and str(err.cause) == "x"
 
 
-@pytest.mark.parametrize("exc,outcome", [
-    (rex.ActorDiedError(), Outcome.PREEMPTED),
-    (rex.ActorUnavailableError("unreachable", None), Outcome.PREEMPTED),
-    (rex.NodeDiedError("node n1 died"), Outcome.PREEMPTED),
-    (rex.WorkerCrashedError(), Outcome.PREEMPTED),
-    (rex.OutOfMemoryError("oom"), Outcome.PREEMPTED),
-    (rex.LocalRayletDiedError(), Outcome.PREEMPTED),
-    (task_error(ValueError("x")), Outcome.FAILED),
-    (task_error(ValueError("x")).as_instanceof_cause(), Outcome.FAILED),  # what ray.get raises
-    (task_error(rex.ActorDiedError()), Outcome.PREEMPTED),  # a gang process calling a dead one
-    (task_error(rex.ActorDiedError()).as_instanceof_cause(), Outcome.PREEMPTED),
-    (task_error(rex.NodeDiedError("gone")), Outcome.PREEMPTED),
-    (rex.TaskCancelledError(), Outcome.CANCELLED),
-    (KeyboardInterrupt(), Outcome.CANCELLED),
-    (rex.GetTimeoutError(), Outcome.TIMEOUT),
-    (TimeoutError("slow"), Outcome.TIMEOUT),
-    (ReservationTimeout("no slice in time"), Outcome.TIMEOUT),
-    (ValueError("boom"), Outcome.FAILED),
-    (RuntimeError("boom"), Outcome.FAILED),
-    (NoMatchingSlice("none"), Outcome.FAILED),
-], ids=lambda v: type(v).__name__ if isinstance(v, BaseException) else v.value)
+@pytest.mark.parametrize(
+    "exc,outcome",
+    [
+        (rex.ActorDiedError(), Outcome.PREEMPTED),
+        (rex.ActorUnavailableError("unreachable", None), Outcome.PREEMPTED),
+        (rex.NodeDiedError("node n1 died"), Outcome.PREEMPTED),
+        (rex.WorkerCrashedError(), Outcome.PREEMPTED),
+        (rex.OutOfMemoryError("oom"), Outcome.PREEMPTED),
+        (rex.LocalRayletDiedError(), Outcome.PREEMPTED),
+        (task_error(ValueError("x")), Outcome.FAILED),
+        (task_error(ValueError("x")).as_instanceof_cause(), Outcome.FAILED),  # what ray.get raises
+        (task_error(rex.ActorDiedError()), Outcome.PREEMPTED),  # a gang process calling a dead one
+        (task_error(rex.ActorDiedError()).as_instanceof_cause(), Outcome.PREEMPTED),
+        (task_error(rex.NodeDiedError("gone")), Outcome.PREEMPTED),
+        (rex.TaskCancelledError(), Outcome.CANCELLED),
+        (KeyboardInterrupt(), Outcome.CANCELLED),
+        (rex.GetTimeoutError(), Outcome.TIMEOUT),
+        (TimeoutError("slow"), Outcome.TIMEOUT),
+        (ReservationTimeout("no slice in time"), Outcome.TIMEOUT),
+        (ValueError("boom"), Outcome.FAILED),
+        (RuntimeError("boom"), Outcome.FAILED),
+        (NoMatchingSlice("none"), Outcome.FAILED),
+    ],
+    ids=lambda v: type(v).__name__ if isinstance(v, BaseException) else v.value,
+)
 def test_classify(exc, outcome):
     assert classify(exc) is outcome
 

@@ -19,8 +19,15 @@ def _identity() -> dict:
     import jax
 
     ctx = rayslice.host_context()
-    keys = ("TPU_WORKER_ID", "TPU_WORKER_HOSTNAMES", "TPU_NAME", "MEGASCALE_COORDINATOR_ADDRESS",
-            "MEGASCALE_NUM_SLICES", "MEGASCALE_SLICE_ID", "MEGASCALE_PORT")
+    keys = (
+        "TPU_WORKER_ID",
+        "TPU_WORKER_HOSTNAMES",
+        "TPU_NAME",
+        "MEGASCALE_COORDINATOR_ADDRESS",
+        "MEGASCALE_NUM_SLICES",
+        "MEGASCALE_SLICE_ID",
+        "MEGASCALE_PORT",
+    )
     return {
         "env": {k: os.environ.get(k) for k in keys},
         "process_index": jax.process_index(),
@@ -47,8 +54,10 @@ def _global_sum() -> float:
 
 def test_psum_over_a_reserved_slice_and_ranks_follow_worker_ids(ray_cluster):
     with busy_host(SLICE_A, 0):
-        with slice_placement_group("2x2x2", "TPU-V4", timeout_s=30, progress=False) as spg, \
-                SliceGang(spg, init_timeout_s=90) as gang:
+        with (
+            slice_placement_group("2x2x2", "TPU-V4", timeout_s=30, progress=False) as spg,
+            SliceGang(spg, init_timeout_s=90) as gang,
+        ):
             assert spg.slices[0].name == SLICE_B
             out = gang.run(_identity, timeout_s=60)
             sums = gang.run(_global_sum, timeout_s=60)
@@ -63,8 +72,7 @@ def test_psum_over_a_reserved_slice_and_ranks_follow_worker_ids(ray_cluster):
 
 
 def test_two_slices_form_one_mesh_with_consistent_megascale_env(ray_cluster):
-    out = rayslice.run_on_slice(_identity, topology="2x2x2", accelerator_type="TPU-V4", num_slices=2,
-                                timeout_s=30)
+    out = rayslice.run_on_slice(_identity, topology="2x2x2", accelerator_type="TPU-V4", num_slices=2, timeout_s=30)
     assert [o["process_index"] for o in out] == [0, 1, 2, 3]
     assert all(o["process_count"] == 4 and o["device_count"] == 16 for o in out)
     assert [(o["ctx"].slice_index, o["ctx"].worker_id) for o in out] == [(0, 0), (0, 1), (1, 0), (1, 1)]
@@ -98,8 +106,10 @@ def _die() -> None:
 
 
 def test_lost_process_is_classified_preempted(ray_cluster):
-    with slice_placement_group("2x2x2", "TPU-V4", timeout_s=30, progress=False) as spg, \
-            SliceGang(spg, init_jax=False) as gang:
+    with (
+        slice_placement_group("2x2x2", "TPU-V4", timeout_s=30, progress=False) as spg,
+        SliceGang(spg, init_jax=False) as gang,
+    ):
         with pytest.raises(GangError) as info:
             gang.run(_die, timeout_s=60)
     assert info.value.outcome is Outcome.PREEMPTED and info.value.rank == 1

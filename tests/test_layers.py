@@ -77,9 +77,9 @@ def _layer(module: str) -> int:
     best: tuple[int, int] | None = None  # (prefix length, layer): the most specific entry wins
     for rank, group in enumerate(LAYERS):
         for prefix in group:
-            if module == prefix or module.startswith(prefix + "."):
-                if best is None or len(prefix) > best[0]:
-                    best = (len(prefix), rank)
+            matches = module == prefix or module.startswith(prefix + ".")
+            if matches and (best is None or len(prefix) > best[0]):
+                best = (len(prefix), rank)
     if best is None:
         raise AssertionError(f"{module} is in no layer: add it to LAYERS in {__file__}")
     return best[1]
@@ -90,7 +90,7 @@ GRAPH = {m: _imports(m, p, _modules()) for m, p in _modules().items()}
 
 @pytest.mark.parametrize("module", sorted(GRAPH))
 def test_no_import_runs_up_the_layers(module):
-    upward = sorted(t for t in GRAPH[module] if _layer(t) > _layer(module) and not module == "rayslice")
+    upward = sorted(t for t in GRAPH[module] if _layer(t) > _layer(module) and module != "rayslice")
     assert upward == [], f"{module} (layer {_layer(module)}) imports higher layers: {upward}"
 
 
@@ -132,7 +132,8 @@ def test_private_helpers_live_in_the_package_they_serve():
         users = {m.rpartition(".")[0] if m.count(".") > 1 else m for m, deps in GRAPH.items() if module in deps}
         packages = {u for u in users if u.count(".") >= 1 and (SRC / u.split(".")[1]).is_dir()}
         assert not (len(users) >= 1 and users == packages and len(packages) == 1), (
-            f"{module} serves only {packages}: move it into that package")
+            f"{module} serves only {packages}: move it into that package"
+        )
 
 
 def test_the_graph_sees_known_edges():

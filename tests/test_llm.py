@@ -26,8 +26,10 @@ def engines():
     import jax
 
     params = init_params(LM, seed=3)
-    return {"one": local_engine(LM, ENG, params, devices=jax.devices()[:1]),
-            "tp": local_engine(LM, ENG, params, devices=jax.devices()[:4])}
+    return {
+        "one": local_engine(LM, ENG, params, devices=jax.devices()[:1]),
+        "tp": local_engine(LM, ENG, params, devices=jax.devices()[:4]),
+    }
 
 
 def run(coro):
@@ -35,6 +37,7 @@ def run(coro):
 
 
 # -- tokenizer and stop strings -------------------------------------------------------------------
+
 
 @given(st.text())
 def test_bytes_roundtrip(text):
@@ -49,15 +52,18 @@ def test_chat_template_cannot_be_forged_from_a_message():
     assert TOK.decode(ids) == "user\n<|im_end|>\nassistant\n"
 
 
-@given(st.text(alphabet="ab\n", max_size=40), st.lists(st.text(alphabet="ab\n", min_size=1, max_size=3), max_size=3),
-       st.lists(st.integers(1, 5), min_size=1, max_size=40))
+@given(
+    st.text(alphabet="ab\n", max_size=40),
+    st.lists(st.text(alphabet="ab\n", min_size=1, max_size=3), max_size=3),
+    st.lists(st.integers(1, 5), min_size=1, max_size=40),
+)
 def test_stop_matcher_never_leaks_a_stop_and_loses_nothing(text, stops, cuts):
     m = StopMatcher(stops)
     out, i, stopped = [], 0, False
     for c in cuts * 10:
         if i >= len(text) or stopped:
             break
-        piece, stopped = m.feed(text[i:i + c])
+        piece, stopped = m.feed(text[i : i + c])
         out.append(piece)
         i += c
     if not stopped:
@@ -78,12 +84,13 @@ def test_a_single_stop_truncates_at_its_first_occurrence(text, chunk):
     m = StopMatcher(["."])
     out = []
     for k in range(0, len(text), chunk):
-        out.append(m.feed(text[k:k + chunk])[0])
+        out.append(m.feed(text[k : k + chunk])[0])
     out.append(m.flush())
     assert "".join(out) == text.split(".")[0]
 
 
 # -- the scheduler with a fake model (pure) --------------------------------------------------------
+
 
 class FakeRunner:
     """Per-slot state like the real runner; the next token depends only on the sequence so far."""
@@ -120,12 +127,26 @@ def reference(prompt, max_tokens):
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.lists(st.integers(0, 255), min_size=1, max_size=20), st.integers(1, 20),
-                          st.integers(0, 6), st.booleans()), min_size=1, max_size=12),
-       st.integers(1, 4), st.integers(1, 3))
+@given(
+    st.lists(
+        st.tuples(
+            st.lists(st.integers(0, 255), min_size=1, max_size=20), st.integers(1, 20), st.integers(0, 6), st.booleans()
+        ),
+        min_size=1,
+        max_size=12,
+    ),
+    st.integers(1, 4),
+    st.integers(1, 3),
+)
 def test_scheduler_interleaving_gives_sequential_answers(reqs, slots, per_step):
-    cfg = EngineConfig(num_slots=slots, max_context=64, prefill_buckets=(16, 32), max_tokens_limit=32,
-                       max_prefills_per_step=per_step, default_max_tokens=1)
+    cfg = EngineConfig(
+        num_slots=slots,
+        max_context=64,
+        prefill_buckets=(16, 32),
+        max_tokens_limit=32,
+        max_prefills_per_step=per_step,
+        default_max_tokens=1,
+    )
     sched, fake = Scheduler(cfg), FakeRunner(slots)
     pending = list(enumerate(reqs))
     live, it = {}, 0
@@ -149,7 +170,7 @@ def test_scheduler_interleaving_gives_sequential_answers(reqs, slots, per_step):
         assert r.finished is not None
         want = reference(prompt, mt)
         if r.finished.reason == "cancelled":
-            assert cancel and r.generated == want[:len(r.generated)]
+            assert cancel and r.generated == want[: len(r.generated)]
         else:
             assert r.finished.reason == "length" and r.generated == want
             assert r.finished.completion_tokens == mt and r.finished.prompt_tokens == len(prompt)
@@ -174,6 +195,7 @@ def test_scheduler_refuses_what_cannot_fit():
 
 # -- the model, KV cache, sharding ----------------------------------------------------------------
 
+
 def test_mesh_puts_heads_on_the_model_axis():
     assert mesh_shape(8, LMConfig()) == (1, 8)
     assert mesh_shape(4, LM) == (1, 4)
@@ -185,8 +207,8 @@ def test_cached_greedy_decoding_matches_the_full_forward_pass(engines):
     text, ids, fin = run(engines["one"].complete(prompt, SamplingParams(max_tokens=20, temperature=0.0)))
     seq = np.array([prompt + ids], np.int32)
     logits = np.asarray(forward(LM, init_params(LM, seed=3), seq))[0]
-    want = logits[len(prompt) - 1:-1, :TOK.vocab_size].argmax(-1)
-    assert ids == want[:len(ids)].tolist()
+    want = logits[len(prompt) - 1 : -1, : TOK.vocab_size].argmax(-1)
+    assert ids == want[: len(ids)].tolist()
     assert fin.completion_tokens == len(ids) and fin.prompt_tokens == len(prompt)
 
 
@@ -206,14 +228,17 @@ def test_concurrent_requests_match_their_sequential_answers_and_nothing_recompil
     before = compile_count()
 
     async def together():
-        return await asyncio.gather(*[eng.complete(p, SamplingParams(max_tokens=m, temperature=0.0))
-                                      for p, m in zip(prompts, limits)])
+        return await asyncio.gather(
+            *[eng.complete(p, SamplingParams(max_tokens=m, temperature=0.0)) for p, m in zip(prompts, limits)]
+        )
 
     par = run(together())
     assert [r[1] for r in par] == [r[1] for r in seq]
     assert [r[2].completion_tokens for r in par] == limits  # 6 requests through 4 slots
-    sampled = [run(eng.complete(prompts[2], SamplingParams(max_tokens=10, temperature=0.9, top_p=0.8, seed=s)))
-               for s in (1, 1, 2)]
+    sampled = [
+        run(eng.complete(prompts[2], SamplingParams(max_tokens=10, temperature=0.9, top_p=0.8, seed=s)))
+        for s in (1, 1, 2)
+    ]
     assert sampled[0][1] == sampled[1][1]  # a seed makes sampling reproducible
     nucleus = run(eng.complete(prompts[2], SamplingParams(max_tokens=10, temperature=1.5, top_p=1e-6, seed=4)))
     assert nucleus[1] == seq[2][1][:10]  # a tiny top_p keeps only the most likely token: greedy
@@ -227,7 +252,7 @@ def test_stop_strings_and_stop_tokens(engines):
     full = TOK.decode(ids)
     stop = full[5:7]
     t2, _, fin = run(eng.complete(prompt, SamplingParams(max_tokens=30, temperature=0.0, stop=(stop,))))
-    assert fin.reason == "stop" and t2 == full[:full.find(stop)] and stop not in t2
+    assert fin.reason == "stop" and t2 == full[: full.find(stop)] and stop not in t2
     assert EOS_ID in TOK.stop_ids and IM_END_ID in TOK.stop_ids
 
 
@@ -257,28 +282,31 @@ def test_a_cancelled_request_frees_its_slot(engines):
 LIMITS = api.Limits(64, 48, 8, 63)
 
 
-@pytest.mark.parametrize("body, status, param, text", [
-    ({"model": "nope", "prompt": "x"}, 404, "model", "does not exist"),
-    ({"prompt": "x"}, 400, "model", "must provide a model"),
-    ({"model": "m", "prompt": "x", "max_tokens": 0}, 400, "max_tokens", ">= 1"),
-    ({"model": "m", "prompt": "x", "max_tokens": -3}, 400, "max_tokens", ">= 1"),
-    ({"model": "m", "prompt": "x", "max_tokens": 49}, 400, "max_tokens", "at most 48"),
-    ({"model": "m", "prompt": "x", "max_tokens": "5"}, 400, "max_tokens", "not of type 'integer'"),
-    ({"model": "m", "prompt": "x", "max_tokens": 2.5}, 400, "max_tokens", "not of type 'integer'"),
-    ({"model": "m", "prompt": "x" * 64}, 400, "prompt", "maximum context length"),
-    ({"model": "m", "prompt": "x" * 40, "max_tokens": 30}, 400, "max_tokens", "requested 70 tokens"),
-    ({"model": "m", "prompt": 5}, 400, "prompt", "must be a string"),
-    ({"model": "m", "prompt": ""}, 400, "prompt", "empty"),
-    ({"model": "m", "prompt": [1, 999]}, 400, "prompt", "out of range"),
-    ({"model": "m", "prompt": "x", "temperature": "hot"}, 400, "temperature", "not of type 'number'"),
-    ({"model": "m", "prompt": "x", "temperature": 3}, 400, "temperature", "<= 2"),
-    ({"model": "m", "prompt": "x", "top_p": 0}, 400, "top_p", "> 0"),
-    ({"model": "m", "prompt": "x", "stop": 3}, 400, "stop", "list of strings"),
-    ({"model": "m", "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", "at most 4"),
-    ({"model": "m", "prompt": "x", "stream": "yes"}, 400, "stream", "boolean"),
-    ({"model": "m", "prompt": "x", "n": 2}, 400, "n", "only n=1"),
-    ({"model": "m", "prompt": "x", "bogus": 1}, 400, "bogus", "Unrecognized request argument"),
-])
+@pytest.mark.parametrize(
+    "body, status, param, text",
+    [
+        ({"model": "nope", "prompt": "x"}, 404, "model", "does not exist"),
+        ({"prompt": "x"}, 400, "model", "must provide a model"),
+        ({"model": "m", "prompt": "x", "max_tokens": 0}, 400, "max_tokens", ">= 1"),
+        ({"model": "m", "prompt": "x", "max_tokens": -3}, 400, "max_tokens", ">= 1"),
+        ({"model": "m", "prompt": "x", "max_tokens": 49}, 400, "max_tokens", "at most 48"),
+        ({"model": "m", "prompt": "x", "max_tokens": "5"}, 400, "max_tokens", "not of type 'integer'"),
+        ({"model": "m", "prompt": "x", "max_tokens": 2.5}, 400, "max_tokens", "not of type 'integer'"),
+        ({"model": "m", "prompt": "x" * 64}, 400, "prompt", "maximum context length"),
+        ({"model": "m", "prompt": "x" * 40, "max_tokens": 30}, 400, "max_tokens", "requested 70 tokens"),
+        ({"model": "m", "prompt": 5}, 400, "prompt", "must be a string"),
+        ({"model": "m", "prompt": ""}, 400, "prompt", "empty"),
+        ({"model": "m", "prompt": [1, 999]}, 400, "prompt", "out of range"),
+        ({"model": "m", "prompt": "x", "temperature": "hot"}, 400, "temperature", "not of type 'number'"),
+        ({"model": "m", "prompt": "x", "temperature": 3}, 400, "temperature", "<= 2"),
+        ({"model": "m", "prompt": "x", "top_p": 0}, 400, "top_p", "> 0"),
+        ({"model": "m", "prompt": "x", "stop": 3}, 400, "stop", "list of strings"),
+        ({"model": "m", "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", "at most 4"),
+        ({"model": "m", "prompt": "x", "stream": "yes"}, 400, "stream", "boolean"),
+        ({"model": "m", "prompt": "x", "n": 2}, 400, "n", "only n=1"),
+        ({"model": "m", "prompt": "x", "bogus": 1}, 400, "bogus", "Unrecognized request argument"),
+    ],
+)
 def test_bad_completion_requests(body, status, param, text):
     with pytest.raises(api.APIError) as e:
         api.parse_completion(body, "m", LIMITS)
@@ -287,14 +315,17 @@ def test_bad_completion_requests(body, status, param, text):
     assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
 
 
-@pytest.mark.parametrize("body, text", [
-    ({"model": "m"}, "'messages' must be a non-empty list"),
-    ({"model": "m", "messages": []}, "'messages' must be a non-empty list"),
-    ({"model": "m", "messages": ["hi"]}, "must be an object"),
-    ({"model": "m", "messages": [{"role": "tool", "content": "x"}]}, "role='tool' is not supported"),
-    ({"model": "m", "messages": [{"role": "user", "content": 3}]}, "must be a string or a list of text parts"),
-    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}, ">= 1"),
-])
+@pytest.mark.parametrize(
+    "body, text",
+    [
+        ({"model": "m"}, "'messages' must be a non-empty list"),
+        ({"model": "m", "messages": []}, "'messages' must be a non-empty list"),
+        ({"model": "m", "messages": ["hi"]}, "must be an object"),
+        ({"model": "m", "messages": [{"role": "tool", "content": "x"}]}, "role='tool' is not supported"),
+        ({"model": "m", "messages": [{"role": "user", "content": 3}]}, "must be a string or a list of text parts"),
+        ({"model": "m", "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}, ">= 1"),
+    ],
+)
 def test_bad_chat_requests(body, text):
     with pytest.raises(api.APIError) as e:
         api.parse_chat(body, "m", LIMITS)
@@ -302,9 +333,17 @@ def test_bad_chat_requests(body, text):
 
 
 def test_chat_parsing_and_defaults():
-    spec = api.parse_chat({"model": "m", "messages": [{"role": "system", "content": "be brief"},
-                                                      {"role": "user", "content": [{"type": "text", "text": "hi"}]}]},
-                          "m", LIMITS)
+    spec = api.parse_chat(
+        {
+            "model": "m",
+            "messages": [
+                {"role": "system", "content": "be brief"},
+                {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+            ],
+        },
+        "m",
+        LIMITS,
+    )
     assert TOK.decode(spec.prompt, skip_special_tokens=False).endswith("<|im_start|>assistant\n")
     assert spec.params.max_tokens == min(48, 64 - len(spec.prompt)) and spec.params.temperature == 1.0
     with pytest.raises(api.APIError, match="parse the JSON"):
@@ -312,9 +351,20 @@ def test_chat_parsing_and_defaults():
 
 
 @settings(max_examples=80, suppress_health_check=[HealthCheck.too_slow])
-@given(st.dictionaries(st.sampled_from(sorted(api.COMPLETION_KEYS) + ["x"]),
-                       st.one_of(st.none(), st.booleans(), st.integers(-5, 100), st.floats(allow_nan=True),
-                                 st.text(max_size=5), st.lists(st.integers(-2, 300), max_size=3)), max_size=6))
+@given(
+    st.dictionaries(
+        st.sampled_from(sorted(api.COMPLETION_KEYS) + ["x"]),
+        st.one_of(
+            st.none(),
+            st.booleans(),
+            st.integers(-5, 100),
+            st.floats(allow_nan=True),
+            st.text(max_size=5),
+            st.lists(st.integers(-2, 300), max_size=3),
+        ),
+        max_size=6,
+    )
+)
 def test_any_completion_body_is_valid_or_an_openai_error(body):
     body = {"model": "m", **body}
     try:
@@ -343,21 +393,30 @@ def test_openai_client_over_asgi(engines):
         client = openai.AsyncOpenAI(base_url="http://t/v1", api_key="x", http_client=http, max_retries=0)
         models = await client.models.list()
         assert [m.id for m in models.data] == ["tiny"]
-        r = await client.completions.create(model="tiny", prompt="def f(", max_tokens=12, temperature=0,
-                                            extra_body={"return_token_ids": True})
+        r = await client.completions.create(
+            model="tiny", prompt="def f(", max_tokens=12, temperature=0, extra_body={"return_token_ids": True}
+        )
         ref = await eng.complete(TOK.encode("def f("), SamplingParams(max_tokens=12, temperature=0.0))
         assert r.choices[0].text == ref[0] and r.choices[0].model_extra["token_ids"] == ref[1]
         assert r.usage.prompt_tokens == 6 and r.usage.completion_tokens == 12 and r.choices[0].finish_reason == "length"
-        stream = await client.completions.create(model="tiny", prompt="def f(", max_tokens=12, temperature=0,
-                                                 stream=True, stream_options={"include_usage": True})
+        stream = await client.completions.create(
+            model="tiny",
+            prompt="def f(",
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
         chunks = [c async for c in stream]
         assert "".join(c.choices[0].text for c in chunks if c.choices) == ref[0]
         assert chunks[-1].usage.completion_tokens == 12
-        chat = await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
-                                                    max_tokens=5, temperature=0)
+        chat = await client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=5, temperature=0
+        )
         assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens <= 5
-        cs = await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
-                                                  max_tokens=5, temperature=0, stream=True)
+        cs = await client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=5, temperature=0, stream=True
+        )
         parts = [c.choices[0].delta.content or "" async for c in cs]
         assert "".join(parts) == chat.choices[0].message.content
         with pytest.raises(openai.NotFoundError) as e:

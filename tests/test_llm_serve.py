@@ -14,10 +14,18 @@ from rayslice.sim import SliceSpec
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 LM = LMConfig(d_model=64, num_layers=2, num_heads=8, d_ff=128, max_len=128)
-ENG = EngineConfig(num_slots=8, max_context=128, prefill_buckets=(32, 128), max_tokens_limit=64,
-                   default_max_tokens=16)
-CFG = LLMConfig(model_name="tiny", lm=LM, engine=ENG, seed=7, accelerator_type="TPU-V5P", topology="2x2x2",
-                reservation_timeout_s=60, init_timeout_s=180, step_timeout_s=20)
+ENG = EngineConfig(num_slots=8, max_context=128, prefill_buckets=(32, 128), max_tokens_limit=64, default_max_tokens=16)
+CFG = LLMConfig(
+    model_name="tiny",
+    lm=LM,
+    engine=ENG,
+    seed=7,
+    accelerator_type="TPU-V5P",
+    topology="2x2x2",
+    reservation_timeout_s=60,
+    init_timeout_s=180,
+    step_timeout_s=20,
+)
 PROMPTS = ["def main(", "import", "class Foo(object):\n    def __init__(self", "x = [1, 2, 3]\nfor i in x:\n"]
 
 
@@ -50,8 +58,9 @@ def reference():
     eng = local_engine(LM, ENG, seed=CFG.seed, devices=jax.devices()[:1])
 
     def complete(prompt: str, max_tokens: int) -> list[int]:
-        return asyncio.run(eng.complete(list(prompt.encode()), SamplingParams(max_tokens=max_tokens,
-                                                                               temperature=0.0)))[1]
+        return asyncio.run(eng.complete(list(prompt.encode()), SamplingParams(max_tokens=max_tokens, temperature=0.0)))[
+            1
+        ]
 
     return complete
 
@@ -74,17 +83,22 @@ def test_sharded_over_two_hosts_gives_the_unsharded_greedy_tokens_streaming_or_n
     stats = _stats(llm)
     assert stats["hosts"] == 2 and stats["devices"] == 8 and stats["mesh"] == {"data": 1, "model": 8}
     for prompt in PROMPTS:
-        r = client.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0,
-                                      extra_body={"return_token_ids": True})
+        r = client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=24, temperature=0, extra_body={"return_token_ids": True}
+        )
         assert r.choices[0].model_extra["token_ids"] == reference(prompt, 24), prompt
         assert r.usage.prompt_tokens == len(prompt.encode()) and r.usage.completion_tokens == 24
-        chunks = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0,
-                                                stream=True))
+        chunks = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0, stream=True))
         assert len(chunks) > 2  # tokens arrive as they are produced, not as one body
         assert "".join(c.choices[0].text for c in chunks) == r.choices[0].text
-    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hello"}],
-                                          max_tokens=10, temperature=0, stream=True,
-                                          stream_options={"include_usage": True})
+    chat = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "hello"}],
+        max_tokens=10,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     parts = list(chat)
     assert parts[0].choices[0].delta.role == "assistant" and parts[-1].usage.completion_tokens <= 10
 
@@ -98,10 +112,15 @@ def test_concurrent_requests_of_different_lengths_match_their_sequential_answers
     def one(job):
         prompt, n = job
         if n % 2:
-            return "".join(c.choices[0].text for c in client.completions.create(
-                model="tiny", prompt=prompt, max_tokens=n, temperature=0, stream=True))
-        r = client.completions.create(model="tiny", prompt=prompt, max_tokens=n, temperature=0,
-                                      extra_body={"return_token_ids": True})
+            return "".join(
+                c.choices[0].text
+                for c in client.completions.create(
+                    model="tiny", prompt=prompt, max_tokens=n, temperature=0, stream=True
+                )
+            )
+        r = client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=n, temperature=0, extra_body={"return_token_ids": True}
+        )
         return r.choices[0].model_extra["token_ids"]
 
     with cf.ThreadPoolExecutor(len(jobs)) as pool:
@@ -134,16 +153,19 @@ def test_a_client_that_disconnects_mid_stream_frees_its_slot(llm):
     assert s["cancelled"] > before and s["slots_busy"] == 0
 
 
-@pytest.mark.parametrize("body, status, code", [
-    (b"{not json", 400, None),
-    (b'{"model": "tiny", "prompt": "x", "max_tokens": 0}', 400, "invalid_value"),
-    (b'{"model": "tiny", "prompt": "x", "max_tokens": 65}', 400, "invalid_value"),
-    (b'{"model": "tiny", "prompt": "x", "max_tokens": "3"}', 400, "invalid_type"),
-    (b'{"model": "tiny", "prompt": ["x", 1]}', 400, "invalid_type"),
-    (b'{"model": "other", "prompt": "x"}', 404, "model_not_found"),
-    (b'{"model": "tiny", "prompt": "' + b"y" * 200 + b'"}', 400, "context_length_exceeded"),
-    (b'{"model": "tiny", "messages": "hi"}', 400, "invalid_type"),
-])
+@pytest.mark.parametrize(
+    "body, status, code",
+    [
+        (b"{not json", 400, None),
+        (b'{"model": "tiny", "prompt": "x", "max_tokens": 0}', 400, "invalid_value"),
+        (b'{"model": "tiny", "prompt": "x", "max_tokens": 65}', 400, "invalid_value"),
+        (b'{"model": "tiny", "prompt": "x", "max_tokens": "3"}', 400, "invalid_type"),
+        (b'{"model": "tiny", "prompt": ["x", 1]}', 400, "invalid_type"),
+        (b'{"model": "other", "prompt": "x"}', 404, "model_not_found"),
+        (b'{"model": "tiny", "prompt": "' + b"y" * 200 + b'"}', 400, "context_length_exceeded"),
+        (b'{"model": "tiny", "messages": "hi"}', 400, "invalid_type"),
+    ],
+)
 def test_bad_requests_get_4xx_with_an_openai_error_body(llm, body, status, code):
     import requests
 

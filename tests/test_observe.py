@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import requests
@@ -27,10 +28,14 @@ class _Background:
     def __init__(self, name: str, tmp_path, **config):
         self.stop_file = str(tmp_path / f"{name}.stop")
         self.stepping = threading.Event()  # set by the first report that reaches the driver
-        self.trainer = JaxTrainer(train_loops.busy_loop, train_loop_config={"stop_file": self.stop_file, **config},
-                                  scaling_config=ScalingConfig(topology="2x2x2", accelerator_type="TPU-V4"),
-                                  run_config=RunConfig(name=name, storage_path=str(tmp_path), progress=False,
-                                                       callbacks=[lambda report: self.stepping.set()]))
+        self.trainer = JaxTrainer(
+            train_loops.busy_loop,
+            train_loop_config={"stop_file": self.stop_file, **config},
+            scaling_config=ScalingConfig(topology="2x2x2", accelerator_type="TPU-V4"),
+            run_config=RunConfig(
+                name=name, storage_path=str(tmp_path), progress=False, callbacks=[lambda report: self.stepping.set()]
+            ),
+        )
         self.result = None
         self.thread = threading.Thread(target=self._run)
 
@@ -75,8 +80,13 @@ def test_prometheus_endpoint_has_rayslice_series_with_tags(ray_cluster, tmp_path
     with _Background("observed", tmp_path):
         deadline = time.monotonic() + 60
         found: dict[str, list] = {}
-        wanted = ("rayslice_step_time_seconds", "rayslice_duty_cycle", "rayslice_process_memory_bytes",
-                  "rayslice_goodput_seconds", "rayslice_metric_source_available")
+        wanted = (
+            "rayslice_step_time_seconds",
+            "rayslice_duty_cycle",
+            "rayslice_process_memory_bytes",
+            "rayslice_goodput_seconds",
+            "rayslice_metric_source_available",
+        )
         while time.monotonic() < deadline:
             text = _scrape()
             found = {w: _series(text, w) for w in wanted}
@@ -94,15 +104,31 @@ def test_prometheus_endpoint_has_rayslice_series_with_tags(ray_cluster, tmp_path
     components = {s["component"] for s in found["rayslice_goodput_seconds"] if s.get("run") == "observed"}
     assert {"startup", "compile", "productive"} <= components
     # On CPU, JAX exposes no device memory stats: reported as unavailable, not an error.
-    sources = {(s["source"], s["_value"]) for s in found["rayslice_metric_source_available"] if s.get("run") == "observed"}
+    sources = {
+        (s["source"], s["_value"]) for s in found["rayslice_metric_source_available"] if s.get("run") == "observed"
+    }
     assert ("tpu-info", "0.0") in sources
 
 
 def test_profile_writes_a_trace_for_every_host(ray_cluster, tmp_path):
     with _Background("profiled", tmp_path, profiler_server=True) as bg:
         assert bg.stepping.wait(timeout=90), "the run never reported a step"
-        out = subprocess.run([sys.executable, "-m", "rayslice.cli", "profile", "profiled", "--seconds", "1",
-                              "--address", ray_cluster.address], capture_output=True, text=True, timeout=180)
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "rayslice.cli",
+                "profile",
+                "profiled",
+                "--seconds",
+                "1",
+                "--address",
+                ray_cluster.address,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "-host-0:" in out.stdout and "-host-1:" in out.stdout
     root = tmp_path / "profiled" / "profiles"
@@ -116,8 +142,12 @@ def test_profile_writes_a_trace_for_every_host(ray_cluster, tmp_path):
 
 
 def test_profile_of_an_unknown_job_is_a_clear_error(ray_cluster):
-    out = subprocess.run([sys.executable, "-m", "rayslice.cli", "profile", "nope", "--address", ray_cluster.address],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "rayslice.cli", "profile", "nope", "--address", ray_cluster.address],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 1 and "error: no running gang named 'nope'" in out.stderr
 
 
@@ -151,10 +181,11 @@ def test_grafana_dashboard_queries_the_exported_series():
 
     from rayslice import metrics
 
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                        "observability", "grafana-dashboard.json")
-    dash = json.load(open(path))
+    path = os.path.join(
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "observability", "grafana-dashboard.json"
+    )
+    dash = json.loads(Path(path).read_text())
     exprs = " ".join(t["expr"] for p in dash["panels"] for t in p["targets"])
-    names = set(re.findall(r'"(rayslice_[a-z_]+)"', open(metrics.__file__).read()))
+    names = set(re.findall(r'"(rayslice_[a-z_]+)"', Path(metrics.__file__).read_text()))
     assert names and all(f"ray_{n}" in exprs for n in names), names - set(re.findall(r"ray_(rayslice_[a-z_]+)", exprs))
     assert {v["name"] for v in dash["templating"]["list"]} == {"datasource", "run", "slice"}

@@ -117,8 +117,7 @@ def test_lost_race_is_replanned(ray_cluster, monkeypatch):
         stale = [s if s.name != SLICE_A else _all_free(s) for s in stale]
         snapshots = iter([stale])
         monkeypatch.setattr(placement, "list_slices", lambda: next(snapshots, None) or real())
-        with rayslice.slice_placement_group("2x2x2", "TPU-V4", timeout_s=30, race_window_s=0.5,
-                                            progress=False) as spg:
+        with rayslice.slice_placement_group("2x2x2", "TPU-V4", timeout_s=30, race_window_s=0.5, progress=False) as spg:
             assert spg.slices[0].name == SLICE_B
         assert live_groups(placement.PG_NAME_PREFIX) == []
 

@@ -123,8 +123,7 @@ def test_other_shapes_and_types_do_not_match():
     p = plan(V4_16, slices)
     assert names(p) == ["want"]
     assert p.num_matching == 1
-    assert p.verdict("v4-small") == SliceVerdict(
-        "v4-small", False, "other shape: TPU-V4 2x2x1 (v4-8)", False)
+    assert p.verdict("v4-small") == SliceVerdict("v4-small", False, "other shape: TPU-V4 2x2x1 (v4-8)", False)
     assert p.verdict("v6e").reason == "other shape: TPU-V6E 4x4 (v6e-16)"
     assert not p.verdict("v6e").matches_shape
 
@@ -165,8 +164,7 @@ def test_dead_and_missing_hosts_are_incomplete():
 def test_slice_with_unknown_labels_is_not_a_match():
     odd = make_slice("odd", V4_16, problem="'3x3x3' is not a v4 topology")
     p = plan(V4_16, [odd])
-    assert p.verdict("odd") == SliceVerdict(
-        "odd", False, "not a known slice ('3x3x3' is not a v4 topology)", False)
+    assert p.verdict("odd") == SliceVerdict("odd", False, "not a known slice ('3x3x3' is not a v4 topology)", False)
     assert p.num_matching == 0
 
 
@@ -174,8 +172,7 @@ def test_exclude_skips_a_free_slice():
     slices = [make_slice("a"), make_slice("b")]
     p = plan(V4_16, slices, exclude=["a"])
     assert names(p) == ["b"]
-    assert p.verdict("a") == SliceVerdict(
-        "a", False, "skipped: lost a race for it a moment ago", True)
+    assert p.verdict("a") == SliceVerdict("a", False, "skipped: lost a race for it a moment ago", True)
     # Excluding a slice that is not usable anyway keeps its real reason.
     p = plan(V4_16, [make_slice("a", busy={0: 0.0}), make_slice("b")], exclude={"a"})
     assert p.verdict("a").reason == "busy: host 0 has 0/4 chips free"
@@ -214,13 +211,15 @@ def test_explain_lists_every_slice_with_reason_and_request():
         make_slice("c-dead", dead=(0,)),
     ]
     p = plan(V4_16, slices)
-    assert p.explain() == "\n".join([
-        "request: 1 x v4 2x2x2 (8 chips, 2 hosts x 4); 3 slice(s) of that type and shape, 1 usable now",
-        "  - b-busy: busy: host 1 has 0/4 chips free",
-        "  - c-dead: incomplete: dead host(s) 0",
-        "  - z-free: free",
-        "  - a-other: other shape: TPU-V4 2x2x1 (v4-8)",
-    ])
+    assert p.explain() == "\n".join(
+        [
+            "request: 1 x v4 2x2x2 (8 chips, 2 hosts x 4); 3 slice(s) of that type and shape, 1 usable now",
+            "  - b-busy: busy: host 1 has 0/4 chips free",
+            "  - c-dead: incomplete: dead host(s) 0",
+            "  - z-free: free",
+            "  - a-other: other shape: TPU-V4 2x2x1 (v4-8)",
+        ]
+    )
     assert str(p) == p.explain()
 
 
@@ -293,7 +292,8 @@ def test_module_doctests():
 def test_plan_agrees_with_slice_state_for_extra_host():
     s = make_slice("s")
     extra = HostInfo(2, "s-n2", "10.0.2.1", True, 4.0, 4.0)
-    s = SliceInfo(s.name, s.accelerator_type, s.topology, s.pod_type, s.chips_per_host,
-                  s.hosts_expected, (*s.hosts, extra))
+    s = SliceInfo(
+        s.name, s.accelerator_type, s.topology, s.pod_type, s.chips_per_host, s.hosts_expected, (*s.hosts, extra)
+    )
     assert s.state == "incomplete"
     assert not plan(V4_16, [s]).verdict("s").usable

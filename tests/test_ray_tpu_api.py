@@ -57,9 +57,14 @@ def test_handle_constructed_like_rays_reserves_and_exposes_rays_properties(ray_c
         with pytest.raises(ValueError, match="pg_per_slice=False"):
             handle.slice_placement_groups  # noqa: B018 - Ray's handle refuses this too
         where = _hostname_task()
-        refs = [where.options(num_cpus=0, resources={"TPU": 4},
-                              scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg)).remote()
-                for _ in range(handle.num_hosts)]
+        refs = [
+            where.options(
+                num_cpus=0,
+                resources={"TPU": 4},
+                scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg),
+            ).remote()
+            for _ in range(handle.num_hosts)
+        ]
         nodes = ray.get(refs, timeout=60)
         assert len({n for n, _, _ in nodes}) == 2  # one task per host of the slice
     finally:
@@ -69,8 +74,13 @@ def test_handle_constructed_like_rays_reserves_and_exposes_rays_properties(ray_c
 
 
 def test_pg_per_slice_two_slices_and_rays_bundle_resources(ray_cluster):
-    spg = slice_placement_group(topology="2x2x2", accelerator_version="v4", num_slices=2, pg_per_slice=True,
-                                resources_per_bundle={"TPU": 4, "CPU": 0})
+    spg = slice_placement_group(
+        topology="2x2x2",
+        accelerator_version="v4",
+        num_slices=2,
+        pg_per_slice=True,
+        resources_per_bundle={"TPU": 4, "CPU": 0},
+    )
     try:
         assert len(spg.slice_placement_groups) == 2 and spg.num_bundles == 4
         assert sorted(s.name for s in spg.slices) == [SLICE_A, SLICE_B]
@@ -119,33 +129,39 @@ def _device_count():
     return jax.device_count()
 
 
-@pytest.mark.parametrize(("kwargs", "named"), [
-    (dict(), "topology=None"),
-    (dict(topology="2x2x2", accelerator_version="v4", slice_index=0), "slice_index=0"),
-    (dict(topology="2x2x2", accelerator_version="v4", chips_per_vm=3), "chips_per_host=3"),
-    (dict(topology="2x2x2", accelerator_version="v4", timeout_s=-1), "timeout_s=-1"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "named"),
+    [
+        (dict(), "topology=None"),
+        (dict(topology="2x2x2", accelerator_version="v4", slice_index=0), "slice_index=0"),
+        (dict(topology="2x2x2", accelerator_version="v4", chips_per_vm=3), "chips_per_host=3"),
+        (dict(topology="2x2x2", accelerator_version="v4", timeout_s=-1), "timeout_s=-1"),
+    ],
+)
 def test_run_on_slice_bad_arguments_fail_before_reserving(ray_cluster, kwargs, named):
     with pytest.raises(InvalidArgument, match=named):
         run_on_slice(_hostname_task(), **kwargs)
     assert live_groups("rayslice:") == []
 
 
-@pytest.mark.parametrize(("kwargs", "named"), [
-    (dict(race_window_s=0), "race_window_s=0"),
-    (dict(race_window_s=-1), "race_window_s=-1"),
-    (dict(timeout_s="5"), "timeout_s='5'"),
-    (dict(num_slices="2"), "num_slices='2'"),
-    (dict(num_slices=1.5), "num_slices=1.5"),
-    (dict(resources_per_host={"CPU": -1}), "resources_per_host['CPU']=-1"),
-    (dict(resources_per_bundle={"TPU": 1}), "'TPU': 4"),
-    (dict(strategy="STRICT_PACK"), "strategy='STRICT_PACK'"),
-    (dict(strategy="DIAGONAL"), "strategy='DIAGONAL'"),
-    (dict(lifetime="forever"), "lifetime='forever'"),
-    (dict(name="a:b"), "name='a:b'"),
-    (dict(bundle_label_selector=[{"a": "1"}] * 3), "bundle_label_selector"),
-    (dict(tpu_resource_per_chip=2), "tpu_resource_per_chip=2"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "named"),
+    [
+        (dict(race_window_s=0), "race_window_s=0"),
+        (dict(race_window_s=-1), "race_window_s=-1"),
+        (dict(timeout_s="5"), "timeout_s='5'"),
+        (dict(num_slices="2"), "num_slices='2'"),
+        (dict(num_slices=1.5), "num_slices=1.5"),
+        (dict(resources_per_host={"CPU": -1}), "resources_per_host['CPU']=-1"),
+        (dict(resources_per_bundle={"TPU": 1}), "'TPU': 4"),
+        (dict(strategy="STRICT_PACK"), "strategy='STRICT_PACK'"),
+        (dict(strategy="DIAGONAL"), "strategy='DIAGONAL'"),
+        (dict(lifetime="forever"), "lifetime='forever'"),
+        (dict(name="a:b"), "name='a:b'"),
+        (dict(bundle_label_selector=[{"a": "1"}] * 3), "bundle_label_selector"),
+        (dict(tpu_resource_per_chip=2), "tpu_resource_per_chip=2"),
+    ],
+)
 def test_bad_reservation_arguments_name_the_value_and_create_nothing(ray_cluster, kwargs, named):
     with pytest.raises(InvalidArgument, match=named.replace("[", r"\[").replace("(", r"\(")):
         slice_placement_group("2x2x2", "v4", timeout_s=kwargs.pop("timeout_s", 5), progress=False, **kwargs)

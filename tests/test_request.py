@@ -65,15 +65,18 @@ def test_bad_request_names_the_value(kwargs, named):
     assert isinstance(e.value, TypeError) and isinstance(e.value, ValueError)  # either except clause works
 
 
-@pytest.mark.parametrize(("topology", "accel", "named"), [
-    ("2x2x2", None, "accelerator_type=None"),
-    ("2x2x2", "v9", "'v9'"),
-    ("4x4", "2x2", "'2x2'"),
-    ("v4", "v6e", "'v"),
-    (None, "v4", "None"),
-    (42, "v4", "42"),
-    ("9" * 5000 + "x4", "v6e", "not a v6e topology"),
-])
+@pytest.mark.parametrize(
+    ("topology", "accel", "named"),
+    [
+        ("2x2x2", None, "accelerator_type=None"),
+        ("2x2x2", "v9", "'v9'"),
+        ("4x4", "2x2", "'2x2'"),
+        ("v4", "v6e", "'v"),
+        (None, "v4", "None"),
+        (42, "v4", "42"),
+        ("9" * 5000 + "x4", "v6e", "not a v6e topology"),
+    ],
+)
 def test_bad_topology_strings_are_clear(topology, accel, named):
     with pytest.raises(ValueError) as e:
         SliceRequest.parse(topology, accel)
@@ -93,19 +96,23 @@ def test_any_string_pair_parses_or_raises_a_value_error_naming_it(topology, acce
 
 # -- Ray's vocabulary -------------------------------------------------------------------------------------------
 
+
 def test_ray_names_map_onto_the_request():
     r = request_from_args("2x4", None, "v6e", 2, None, 4, None, {"TPU": 4, "CPU": 1}, 1)
     assert (r.topology.chips_per_host, r.hosts_per_slice, r.num_slices) == (4, 2, 2)
     assert dict(r.resources_per_host) == {"CPU": 1.0}
 
 
-@pytest.mark.parametrize(("args", "named"), [
-    (("4x4", "v6e", "v5e", None, None, None, None, None, None), "accelerator_version='v5e'"),
-    (("4x4", "v6e", None, None, 4, 8, None, None, None), "chips_per_vm=8"),
-    (("4x4", "v6e", None, None, None, None, None, {"TPU": 1}, None), "'TPU': 4"),
-    (("4x4", "v6e", None, None, None, None, {"CPU": 1}, {"CPU": 1}, None), "resources_per_bundle"),
-    (("4x4", "v6e", None, None, None, None, None, None, 2), "tpu_resource_per_chip=2"),
-])
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        (("4x4", "v6e", "v5e", None, None, None, None, None, None), "accelerator_version='v5e'"),
+        (("4x4", "v6e", None, None, 4, 8, None, None, None), "chips_per_vm=8"),
+        (("4x4", "v6e", None, None, None, None, None, {"TPU": 1}, None), "'TPU': 4"),
+        (("4x4", "v6e", None, None, None, None, {"CPU": 1}, {"CPU": 1}, None), "resources_per_bundle"),
+        (("4x4", "v6e", None, None, None, None, None, None, 2), "tpu_resource_per_chip=2"),
+    ],
+)
 def test_conflicting_or_unsupported_ray_arguments_are_errors(args, named):
     with pytest.raises(InvalidArgument, match=named.replace("(", r"\(")):
         request_from_args(*args)
@@ -134,7 +141,7 @@ def test_check_int_refuses_every_non_integer_naming_it(value):
     assert str(e.value).startswith("batch_size=") and "expected an integer >= 1" in str(e.value)
 
 
-@given(st.integers(-10**6, 10**6))
+@given(st.integers(-(10**6), 10**6))
 def test_check_int_range(value):
     if 1 <= value <= 100:
         assert v.check_int("n", value, minimum=1, maximum=100) == value

@@ -54,8 +54,7 @@ def _replica_slices(app: str, deployment: str) -> set[str]:
 
 
 def _dot(**opts):
-    return slice_serve.deployment(accelerator_type="TPU-V6E", accelerator_config=V6E, input_spec=SPEC,
-                                  **opts)(Dot)
+    return slice_serve.deployment(accelerator_type="TPU-V6E", accelerator_config=V6E, input_spec=SPEC, **opts)(Dot)
 
 
 def test_http_answer_is_computed_across_both_hosts(serving):
@@ -81,23 +80,26 @@ def test_http_answer_is_computed_across_both_hosts(serving):
     serve.delete("dot")
 
 
-@pytest.mark.parametrize("body, status, message", [
-    (b"{not json", 400, "malformed JSON"),
-    (b"[1, 2]", 400, 'JSON object with "inputs"'),
-    (b'{"inputs": {"x": [[1, 2]]}}', 422, "must have shape (rows, 8)"),
-    (b'{"inputs": {"x": [["a", "b", "c", "d", "e", "f", "g", "h"]]}}', 422, "must be numeric"),
-    (b'{"inputs": {"x": [[1,2,3,4,5,6,7,8], [1,2]]}}', 422, "rectangular"),
-    (b'{"inputs": {"y": [[1,2,3,4,5,6,7,8]]}}', 422, "missing ['x'], unexpected ['y']"),
-    (b'{"inputs": {"x": []}}', 422, "shape"),
-    # Not strict JSON, or numbers no float32 can hold: a JSON 4xx, not a plain-text 500.
-    (b'{"inputs": {"x": [[NaN, 1, 2, 3, 4, 5, 6, 7]]}}', 400, "NaN is not a JSON number"),
-    (b'{"inputs": {"x": [[Infinity, 1, 2, 3, 4, 5, 6, 7]]}}', 400, "Infinity is not a JSON number"),
-    (b'{"inputs": {"x": [[1e999, 1, 2, 3, 4, 5, 6, 7]]}}', 422, "1e999 overflows"),
-    (b'{"inputs": {"x": [[1e39, 1, 2, 3, 4, 5, 6, 7]]}}', 422, "outside the float32 range"),
-    (b'{"inputs": {"x": [[true, 1, 2, 3, 4, 5, 6, 7]]}}', 422, "got booleans"),
-    (b'{"inputs": ' + b"[" * 2000 + b"]" * 2000 + b"}", 400, "nested too deeply"),
-    (b'{"inputs": {"x": [[1,2,3,4,5,6,7,8]]}, "extra": 1}', 400, "unexpected keys"),
-])
+@pytest.mark.parametrize(
+    "body, status, message",
+    [
+        (b"{not json", 400, "malformed JSON"),
+        (b"[1, 2]", 400, 'JSON object with "inputs"'),
+        (b'{"inputs": {"x": [[1, 2]]}}', 422, "must have shape (rows, 8)"),
+        (b'{"inputs": {"x": [["a", "b", "c", "d", "e", "f", "g", "h"]]}}', 422, "must be numeric"),
+        (b'{"inputs": {"x": [[1,2,3,4,5,6,7,8], [1,2]]}}', 422, "rectangular"),
+        (b'{"inputs": {"y": [[1,2,3,4,5,6,7,8]]}}', 422, "missing ['x'], unexpected ['y']"),
+        (b'{"inputs": {"x": []}}', 422, "shape"),
+        # Not strict JSON, or numbers no float32 can hold: a JSON 4xx, not a plain-text 500.
+        (b'{"inputs": {"x": [[NaN, 1, 2, 3, 4, 5, 6, 7]]}}', 400, "NaN is not a JSON number"),
+        (b'{"inputs": {"x": [[Infinity, 1, 2, 3, 4, 5, 6, 7]]}}', 400, "Infinity is not a JSON number"),
+        (b'{"inputs": {"x": [[1e999, 1, 2, 3, 4, 5, 6, 7]]}}', 422, "1e999 overflows"),
+        (b'{"inputs": {"x": [[1e39, 1, 2, 3, 4, 5, 6, 7]]}}', 422, "outside the float32 range"),
+        (b'{"inputs": {"x": [[true, 1, 2, 3, 4, 5, 6, 7]]}}', 422, "got booleans"),
+        (b'{"inputs": ' + b"[" * 2000 + b"]" * 2000 + b"}", 400, "nested too deeply"),
+        (b'{"inputs": {"x": [[1,2,3,4,5,6,7,8]]}, "extra": 1}', 400, "unexpected keys"),
+    ],
+)
 def test_bad_requests_are_4xx_and_the_replica_stays_healthy(serving, body, status, message):
     from ray import serve
 
@@ -179,8 +181,13 @@ def test_oversized_body_and_random_fuzz_keep_two_replicas_on_two_slices(serving)
 def test_impossible_topology_fails_with_the_reason(serving):
     from ray import serve
 
-    dep = slice_serve.deployment(accelerator_type="TPU-V6E", accelerator_config={"kind": "tpu", "topology": "8x8"},
-                                 input_spec=SPEC, reservation_timeout_s=5, max_constructor_retry_count=1)(Dot)
+    dep = slice_serve.deployment(
+        accelerator_type="TPU-V6E",
+        accelerator_config={"kind": "tpu", "topology": "8x8"},
+        input_spec=SPEC,
+        reservation_timeout_s=5,
+        max_constructor_retry_count=1,
+    )(Dot)
     t0 = time.monotonic()
     # rayslice's run() is serve.run whose exception carries the per-slice reason on one line.
     with pytest.raises(slice_serve.DeploymentFailed) as info:
@@ -232,13 +239,16 @@ def test_host_lost_during_a_request_is_503_and_the_replica_turns_unhealthy(servi
     sim = serving["sim"]
     victim = sim.add_slice(SliceSpec("v5e", "2x4", chips_per_host=4, name="lost-0"))  # the only v5e slice
     try:
-        dep = slice_serve.deployment(accelerator_type="v5e", accelerator_config={"kind": "tpu", "topology": "2x4",
-                                                                                 "chips_per_vm": 4},
-                                     input_spec=SPEC, request_timeout_s=30, reservation_timeout_s=3,
-                                     health_check_period_s=1.0,
-                                     # The replica itself stays on the head, so the kill hits only the gang.
-                                     ray_actor_options={"num_cpus": 0, "resources": {"node:__internal_head__": 0.01}},
-                                     )(serve_models.Gated)
+        dep = slice_serve.deployment(
+            accelerator_type="v5e",
+            accelerator_config={"kind": "tpu", "topology": "2x4", "chips_per_vm": 4},
+            input_spec=SPEC,
+            request_timeout_s=30,
+            reservation_timeout_s=3,
+            health_check_period_s=1.0,
+            # The replica itself stays on the head, so the kill hits only the gang.
+            ray_actor_options={"num_cpus": 0, "resources": {"node:__internal_head__": 0.01}},
+        )(serve_models.Gated)
         serve.run(dep.bind(str(tmp_path)), name="lost", route_prefix="/lost")
         assert _post(serving, "/lost", {"inputs": {"x": [[1] * 8]}}).json()["outputs"]["y"] == [36.0]
         gated = [[serve_models.GATE] + [0] * 7]
@@ -292,9 +302,10 @@ def test_serve_config_file_through_the_builder(serving, tmp_path):
     from ray import serve
 
     config = tmp_path / "serve.yaml"
-    config.write_text(textwrap.dedent(f"""
+    config.write_text(
+        textwrap.dedent(f"""
         proxy_location: HeadOnly
-        http_options: {{host: 127.0.0.1, port: {serving['port']}}}
+        http_options: {{host: 127.0.0.1, port: {serving["port"]}}}
         applications:
           - name: from-yaml
             route_prefix: /yaml
@@ -306,12 +317,18 @@ def test_serve_config_file_through_the_builder(serving, tmp_path):
               input_spec: {{x: {{shape: [8], dtype: float32}}}}
               num_replicas: 1
               init_kwargs: {{scale: 3.0}}
-    """))
+    """)
+    )
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     serve_cli = os.path.join(os.path.dirname(sys.executable), "serve")
-    out = subprocess.run([serve_cli, "run", str(config), "--address", serving["sim"].address, "--non-blocking"],
-                         capture_output=True, text=True, timeout=240, cwd=root,
-                         env={**os.environ, "PYTHONPATH": root})
+    out = subprocess.run(
+        [serve_cli, "run", str(config), "--address", serving["sim"].address, "--non-blocking"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": root},
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -337,8 +354,9 @@ def test_config_errors_name_the_value():
 def test_a_model_error_is_500_and_the_replica_stays(serving):
     from ray import serve
 
-    dep = slice_serve.deployment(accelerator_type="TPU-V6E", accelerator_config=V6E, input_spec=SPEC,
-                                 max_batch_size=4)(serve_models.Picky)
+    dep = slice_serve.deployment(accelerator_type="TPU-V6E", accelerator_config=V6E, input_spec=SPEC, max_batch_size=4)(
+        serve_models.Picky
+    )
     serve.run(dep.bind(), name="picky", route_prefix="/picky")
     bad = _post(serving, "/picky", {"inputs": {"x": [[-1] * 8]}})
     assert bad.status_code == 500 and "the model raised" in bad.text and "negative inputs" in bad.text
@@ -367,9 +385,17 @@ def test_autoscaling_takes_and_releases_whole_slices(serving):
         sim = serving["sim"]
         name = sim.add_slice(SliceSpec("v6e", "2x4", chips_per_host=4, name=f"serve-{len(sim.slices)}"))
         serving["slices"].append(name)
-    dep = _dot(autoscaling_config={"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 1,
-                                   "upscale_delay_s": 0, "downscale_delay_s": 2, "metrics_interval_s": 0.5,
-                                   "look_back_period_s": 1})
+    dep = _dot(
+        autoscaling_config={
+            "min_replicas": 1,
+            "max_replicas": 2,
+            "target_ongoing_requests": 1,
+            "upscale_delay_s": 0,
+            "downscale_delay_s": 2,
+            "metrics_interval_s": 0.5,
+            "look_back_period_s": 1,
+        }
+    )
     serve.run(dep.bind(), name="auto", route_prefix="/auto")
     assert len(_replica_slices("auto", "Dot")) == 1
     stop = time.monotonic() + 60
@@ -407,7 +433,8 @@ def test_replica_core_runs_on_a_held_reservation_and_keeps_it(sim):
     from rayslice.serve.replica import ReplicaCore, http_status
 
     cfg = slice_serve.SliceServeConfig.from_accelerator_config(
-        "TPU-V4", {"kind": "tpu", "topology": "2x2x2"}, input_spec=SPEC, max_batch_size=4)
+        "TPU-V4", {"kind": "tpu", "topology": "2x2x2"}, input_spec=SPEC, max_batch_size=4
+    )
     spg = rayslice.slice_placement_group(cfg.request, timeout_s=60, progress=False)
     try:
         with pytest.raises(InvalidArgument, match="tpu_slice"):

@@ -146,8 +146,12 @@ def test_bad_untyped_bodies(body, expect):
 
 def test_numpy_inputs_from_a_handle_follow_the_same_rules():
     spec = InputSpec.parse({"x": ((2,), "float32")})
-    for arr, expect in [(np.ones((1, 2), bool), "got booleans"), (np.full((1, 2), 1e300), "outside the float32"),
-                        (np.array([["a", "b"]]), "must be numeric"), (np.ones((1, 3), np.float32), "shape")]:
+    for arr, expect in [
+        (np.ones((1, 2), bool), "got booleans"),
+        (np.full((1, 2), 1e300), "outside the float32"),
+        (np.array([["a", "b"]]), "must be numeric"),
+        (np.ones((1, 3), np.float32), "shape"),
+    ]:
         BAD_INPUTS["http"] += 1
         with pytest.raises(RequestError, match=expect):
             spec.validate({"x": arr})
@@ -163,8 +167,9 @@ def test_numpy_inputs_from_a_handle_follow_the_same_rules():
 
 DTYPES = ["float32", "float64", "float16", "int8", "int32", "int64", "uint8", "bool"]
 names = st.text("abcdefghijklmnopqrstuvwxyz_", min_size=1, max_size=6)
-specs = st.dictionaries(names, st.tuples(st.lists(st.integers(1, 3), max_size=2), st.sampled_from(DTYPES)),
-                        min_size=1, max_size=3)
+specs = st.dictionaries(
+    names, st.tuples(st.lists(st.integers(1, 3), max_size=2), st.sampled_from(DTYPES)), min_size=1, max_size=3
+)
 
 
 def _leaf(dtype: str):
@@ -219,9 +224,13 @@ MUTATIONS = {
 def test_property_one_bad_leaf_is_a_422_naming_the_column(req, mutation, data):
     spec, cols, _ = req
     breaker, expect, kinds = MUTATIONS[mutation]
-    candidates = [n for n, c in spec.columns.items() if np.dtype(c.dtype).kind in kinds
-                  and not (mutation == "float32_overflow" and c.dtype == "float64")
-                  and not (mutation == "int_overflow" and c.dtype == "uint64")]
+    candidates = [
+        n
+        for n, c in spec.columns.items()
+        if np.dtype(c.dtype).kind in kinds
+        and not (mutation == "float32_overflow" and c.dtype == "float64")
+        and not (mutation == "int_overflow" and c.dtype == "uint64")
+    ]
     if not candidates:
         return
     name = data.draw(st.sampled_from(candidates))
@@ -267,7 +276,8 @@ def test_property_structural_breaks_are_4xx(req, how):
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=5),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=4), inner, max_size=4),
-    max_leaves=30)
+    max_leaves=30,
+)
 
 
 @settings(max_examples=300, deadline=None)
@@ -302,6 +312,7 @@ def test_column_array_keeps_the_value_exact_for_numpy_inputs():
 
 # ---------------------------------------------------------------- configs: tables
 
+
 def _bad_config(fn, expect: str) -> None:
     """``fn()`` must raise InvalidArgument (a TypeError and a ValueError) whose message has ``expect``."""
     BAD_INPUTS["config"] += 1
@@ -315,25 +326,36 @@ CONFIGS = [
     (dict(accelerator_type="TPU-V4", accelerator_config="2x2x2"), "accelerator_config='2x2x2'"),
     (dict(accelerator_type="TPU-V4", accelerator_config=None), "accelerator_config=None"),
     (dict(accelerator_type="TPU-V4", accelerator_config=["tpu", "2x2x2"]), "accelerator_config=['tpu', '2x2x2']"),
-    (dict(accelerator_type="TPU-V4", accelerator_config={"kind": "gpu", "topology": "2x2x2"}),
-     "accelerator_config type 'gpu' is not supported; valid: tpu"),
+    (
+        dict(accelerator_type="TPU-V4", accelerator_config={"kind": "gpu", "topology": "2x2x2"}),
+        "accelerator_config type 'gpu' is not supported; valid: tpu",
+    ),
     (dict(accelerator_type="TPU-V4", accelerator_config={"type": "gpu", "topology": "2x2x2"}), "'gpu'"),
     (dict(accelerator_type="TPU-V4", accelerator_config={"kind": 1, "topology": "2x2x2"}), "['kind']=1"),
-    (dict(accelerator_type="TPU-V4", accelerator_config={"kind": "tpu", "type": "gpu", "topology": "2x2x2"}),
-     "'kind' or 'type'"),
+    (
+        dict(accelerator_type="TPU-V4", accelerator_config={"kind": "tpu", "type": "gpu", "topology": "2x2x2"}),
+        "'kind' or 'type'",
+    ),
     (dict(accelerator_type="TPU-V4", accelerator_config={"kind": "tpu"}), "needs a 'topology'"),
     (dict(accelerator_type="TPU-V4", accelerator_config={"kind": "tpu", "topology": None}), "needs a 'topology'"),
     (dict(accelerator_type="TPU-V4", accelerator_config={"kind": "tpu", "topology": 8}), "['topology']=8"),
     (dict(accelerator_type="TPU-V4", accelerator_config={"kind": "tpu", "topology": "3x3x3"}), "'3x3x3'"),
-    (dict(accelerator_type="v6e", accelerator_config={"kind": "tpu", "topology": "3x3"}),
-     "'3x3' is not a v6e topology"),
+    (
+        dict(accelerator_type="v6e", accelerator_config={"kind": "tpu", "topology": "3x3"}),
+        "'3x3' is not a v6e topology",
+    ),
     (dict(accelerator_type="TPU-V9", accelerator_config=V4), "TPU-V9"),
     (dict(accelerator_type="", accelerator_config=V4), "accelerator_type=''"),
     (dict(accelerator_type=4, accelerator_config=V4), "accelerator_type=4"),
     (dict(accelerator_type="TPU-V4", accelerator_config={**V4, "chips_per_host": "4"}), "chips_per_host']='4'"),
     (dict(accelerator_type="TPU-V4", accelerator_config={**V4, "chips_per_host": 0}), "chips_per_host']=0"),
-    (dict(accelerator_type="TPU-V6E", accelerator_config={"kind": "tpu", "topology": "2x4", "chips_per_host": 4,
-                                                          "chips_per_vm": 8}), "'chips_per_host' or 'chips_per_vm'"),
+    (
+        dict(
+            accelerator_type="TPU-V6E",
+            accelerator_config={"kind": "tpu", "topology": "2x4", "chips_per_host": 4, "chips_per_vm": 8},
+        ),
+        "'chips_per_host' or 'chips_per_vm'",
+    ),
     (dict(accelerator_type="TPU-V4", accelerator_config={**V4, "zone": "x"}), "unknown keys"),
     (dict(accelerator_type="TPU-V4", accelerator_config=V4, input_spec="x:8"), "input_spec='x:8'"),
     (dict(accelerator_type="TPU-V4", accelerator_config=V4, input_spec={}), "at least one column"),
@@ -343,8 +365,10 @@ CONFIGS = [
     (dict(accelerator_type="TPU-V4", accelerator_config=V4, input_spec={"x": (("8",), "float32")}), "shape=('8',)"),
     (dict(accelerator_type="TPU-V4", accelerator_config=V4, input_spec={"x": ((True,), "float32")}), ".shape"),
     (dict(accelerator_type="TPU-V4", accelerator_config=V4, input_spec={"x": ("8", "float32")}), "shape='8'"),
-    (dict(accelerator_type="TPU-V4", accelerator_config=V4, input_spec={"x": ((8,), "object")}),
-     "dtype 'object' is not numeric"),
+    (
+        dict(accelerator_type="TPU-V4", accelerator_config=V4, input_spec={"x": ((8,), "object")}),
+        "dtype 'object' is not numeric",
+    ),
     (dict(accelerator_type="TPU-V4", accelerator_config=V4, input_spec={"x": ((8,), "floaty")}), "'floaty'"),
     (dict(accelerator_type="TPU-V4", accelerator_config=V4, input_spec={"x": ((8,), "complex64")}), "'complex64'"),
     (dict(accelerator_type="TPU-V4", accelerator_config=V4, input_spec={"x": ((8,), None)}), "dtype=None"),
@@ -394,14 +418,17 @@ def _fn(batch):
     return batch
 
 
-@pytest.mark.parametrize("model, expect", [
-    (_NoCall, "defines __call__(self, batch); _NoCall does not"),
-    (_CallIsData, "_CallIsData.__call__ is 3"),
-    (_SetupIsData, "_SetupIsData.setup is 'not a method'"),
-    (_fn, "a class with __call__"),
-    (None, "model=None"),
-    (42, "model=42"),
-])
+@pytest.mark.parametrize(
+    "model, expect",
+    [
+        (_NoCall, "defines __call__(self, batch); _NoCall does not"),
+        (_CallIsData, "_CallIsData.__call__ is 3"),
+        (_SetupIsData, "_SetupIsData.setup is 'not a method'"),
+        (_fn, "a class with __call__"),
+        (None, "model=None"),
+        (42, "model=42"),
+    ],
+)
 def test_model_without_call_is_rejected_at_construction(model, expect):
     _bad_config(lambda: deployment(accelerator_type="TPU-V4", accelerator_config=V4)(model), expect)
 
@@ -418,46 +445,72 @@ def test_model_classes_that_are_accepted():
         assert deployment(accelerator_type="TPU-V4", accelerator_config=V4)(cls) is not None
 
 
-@pytest.mark.parametrize("fn, expect", [
-    (lambda: SliceServeConfig("TPU-V4", "2x2x2", chips_per_host=0), "chips_per_host=0"),
-    (lambda: SliceServeConfig("TPU-V4", 222), "topology=222"),
-    (lambda: SliceServeConfig(None, SliceRequest.parse("2x2x2", "v4", num_slices=2)), "one slice"),
-    (lambda: SliceServeConfig(None, "2x2x2"), "accelerator_type"),
-    (lambda: SliceServeConfig("TPU-V4", "2x2x2", input_spec=[("x", 8)]), "input_spec"),
-    (lambda: InputSpec.parse({"x": ((8,), "float32")}, max_rows=0), "max_rows=0"),
-    (lambda: InputSpec({}), "columns={}"),
-    (lambda: InputSpec({"x": ((8,), "float32")}), "a ColumnSpec"),
-    (lambda: ColumnSpec((8,), "str"), "not numeric"),
-    (lambda: ColumnSpec([8, -1], "float32"), "shape=(8, -1)"),
-    (lambda: ColumnSpec((1,) * 40, "float32"), "at most 32 dimensions"),
-    (lambda: parse_accelerator_config(None, V4), "accelerator_type=None"),
-    (lambda: start_http(port=0), "port=0"),
-    (lambda: start_http(port="8000"), "port='8000'"),
-    (lambda: start_http(port=8000, host=""), "host=''"),
-    (lambda: build(["model"]), "args=['model']"),
-    (lambda: build({"model": "nomodule", "accelerator_type": "v4", "accelerator_config": V4}), "ClassName"),
-    (lambda: build({"model": 5, "accelerator_type": "v4", "accelerator_config": V4}), "args['model']=5"),
-    (lambda: build({"model": "json:Nope", "accelerator_type": "v4", "accelerator_config": V4}), "json:Nope"),
-    (lambda: build({"model": "no_such_pkg_x:M", "accelerator_type": "v4", "accelerator_config": V4}),
-     "no_such_pkg_x"),
-    (lambda: build({"model": "tests.serve_models:Dot", "accelerator_type": "v4", "accelerator_config": V4,
-                    "init_args": "abc"}), "init_args"),
-    (lambda: build({"model": "tests.serve_models:Dot", "accelerator_type": "v4", "accelerator_config": V4,
-                    "init_kwargs": [1]}), "init_kwargs"),
-    (lambda: build({"model": "tests.serve_models:Dot", "accelerator_type": "v4"}), "missing 'accelerator_config'"),
-])
+@pytest.mark.parametrize(
+    "fn, expect",
+    [
+        (lambda: SliceServeConfig("TPU-V4", "2x2x2", chips_per_host=0), "chips_per_host=0"),
+        (lambda: SliceServeConfig("TPU-V4", 222), "topology=222"),
+        (lambda: SliceServeConfig(None, SliceRequest.parse("2x2x2", "v4", num_slices=2)), "one slice"),
+        (lambda: SliceServeConfig(None, "2x2x2"), "accelerator_type"),
+        (lambda: SliceServeConfig("TPU-V4", "2x2x2", input_spec=[("x", 8)]), "input_spec"),
+        (lambda: InputSpec.parse({"x": ((8,), "float32")}, max_rows=0), "max_rows=0"),
+        (lambda: InputSpec({}), "columns={}"),
+        (lambda: InputSpec({"x": ((8,), "float32")}), "a ColumnSpec"),
+        (lambda: ColumnSpec((8,), "str"), "not numeric"),
+        (lambda: ColumnSpec([8, -1], "float32"), "shape=(8, -1)"),
+        (lambda: ColumnSpec((1,) * 40, "float32"), "at most 32 dimensions"),
+        (lambda: parse_accelerator_config(None, V4), "accelerator_type=None"),
+        (lambda: start_http(port=0), "port=0"),
+        (lambda: start_http(port="8000"), "port='8000'"),
+        (lambda: start_http(port=8000, host=""), "host=''"),
+        (lambda: build(["model"]), "args=['model']"),
+        (lambda: build({"model": "nomodule", "accelerator_type": "v4", "accelerator_config": V4}), "ClassName"),
+        (lambda: build({"model": 5, "accelerator_type": "v4", "accelerator_config": V4}), "args['model']=5"),
+        (lambda: build({"model": "json:Nope", "accelerator_type": "v4", "accelerator_config": V4}), "json:Nope"),
+        (
+            lambda: build({"model": "no_such_pkg_x:M", "accelerator_type": "v4", "accelerator_config": V4}),
+            "no_such_pkg_x",
+        ),
+        (
+            lambda: build(
+                {
+                    "model": "tests.serve_models:Dot",
+                    "accelerator_type": "v4",
+                    "accelerator_config": V4,
+                    "init_args": "abc",
+                }
+            ),
+            "init_args",
+        ),
+        (
+            lambda: build(
+                {
+                    "model": "tests.serve_models:Dot",
+                    "accelerator_type": "v4",
+                    "accelerator_config": V4,
+                    "init_kwargs": [1],
+                }
+            ),
+            "init_kwargs",
+        ),
+        (lambda: build({"model": "tests.serve_models:Dot", "accelerator_type": "v4"}), "missing 'accelerator_config'"),
+    ],
+)
 def test_bad_configs_name_the_value(fn, expect):
     _bad_config(fn, expect)
 
 
 # ---------------------------------------------------------------- accepted spellings, one parse
 
+
 def test_ray_serve_llm_and_rayslice_spellings_give_one_request():
     want = SliceRequest.parse("2x4", "TPU-V6E", chips_per_host=4)
-    for cfg in ({"kind": "tpu", "topology": "2x4", "chips_per_host": 4},
-                {"type": "tpu", "topology": "2x4", "chips_per_host": 4},
-                {"kind": "TPU", "type": "tpu", "topology": "2x4", "chips_per_vm": 4},
-                {"topology": "2x4", "chips_per_vm": 4}):
+    for cfg in (
+        {"kind": "tpu", "topology": "2x4", "chips_per_host": 4},
+        {"type": "tpu", "topology": "2x4", "chips_per_host": 4},
+        {"kind": "TPU", "type": "tpu", "topology": "2x4", "chips_per_vm": 4},
+        {"topology": "2x4", "chips_per_vm": 4},
+    ):
         assert parse_accelerator_config("TPU-V6E", cfg) == want
     assert parse_accelerator_config("v4", {"kind": "tpu", "topology": Topology.parse("2x2x2", "v4")}).num_hosts == 2
 
@@ -472,9 +525,12 @@ def test_ray_serve_llm_tpu_config_object_is_accepted():
 
 
 def test_config_parses_the_request_once_and_keeps_it():
-    cfg = SliceServeConfig.from_accelerator_config("TPU-V4", {"kind": "tpu", "topology": "2x2x2"},
-                                                   input_spec={"x": {"shape": [8], "dtype": "float32"}},
-                                                   max_batch_size=8)
+    cfg = SliceServeConfig.from_accelerator_config(
+        "TPU-V4",
+        {"kind": "tpu", "topology": "2x2x2"},
+        input_spec={"x": {"shape": [8], "dtype": "float32"}},
+        max_batch_size=8,
+    )
     assert isinstance(cfg.request, SliceRequest) and cfg.topology_info is cfg.request.topology
     assert cfg.input_spec.max_rows == 8 and cfg.input_spec.columns["x"] == ColumnSpec((8,), "float32")
     # A request or a Topology given whole is used as is (never parsed again).

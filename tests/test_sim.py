@@ -64,8 +64,11 @@ def _env_and_devices() -> dict:
     import jax
 
     keys = ("TPU_NAME", "TPU_WORKER_ID", "TPU_ACCELERATOR_TYPE", "TPU_TOPOLOGY", "TPU_WORKER_HOSTNAMES")
-    return {"env": {k: os.environ.get(k) for k in keys}, "devices": jax.device_count(),
-            "platform": jax.devices()[0].platform}
+    return {
+        "env": {k: os.environ.get(k) for k in keys},
+        "devices": jax.device_count(),
+        "platform": jax.devices()[0].platform,
+    }
 
 
 def test_host_environment_and_jax_devices(ray_cluster):
@@ -74,8 +77,10 @@ def test_host_environment_and_jax_devices(ray_cluster):
 
     task = ray.remote(num_cpus=0)(_env_and_devices)
     nodes = _tpu_nodes(SLICE_B)
-    refs = [task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote()
-            for n in nodes]
+    refs = [
+        task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote()
+        for n in nodes
+    ]
     out = ray.get(refs, timeout=120)
     for worker_id, r in enumerate(out):
         assert r["env"] == {
@@ -147,8 +152,13 @@ _LIFECYCLE = textwrap.dedent("""
 @pytest.mark.slow
 def test_no_ray_process_left_after_shutdown():
     # Its own cluster, in its own process, so the check sees only that cluster's processes.
-    out = subprocess.run([sys.executable, "-c", _LIFECYCLE], capture_output=True, text=True, timeout=180,
-                         env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    out = subprocess.run(
+        [sys.executable, "-c", _LIFECYCLE],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     info = json.loads(out.stdout.strip().splitlines()[-1])
     assert len(info["pids"]) >= 3  # gcs, raylets, workers ...

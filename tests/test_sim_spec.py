@@ -15,19 +15,21 @@ from rayslice.topology import Topology
 EXPECTED_FORM = "expected GEN:TOPOLOGY[:CHIPS_PER_HOST][@NAME]"
 
 
-@pytest.mark.parametrize("text,accel,topo,cph,name,hosts", [
-    ("v4:2x2x2", "v4", "2x2x2", None, None, 2),
-    ("v6e:2x4:4@pool-a", "v6e", "2x4", 4, "pool-a", 2),
-    ("v6e:2x4", "v6e", "2x4", None, None, 1),
-    ("TPU-V6E:4x4", "TPU-V6E", "4x4", None, None, 4),
-    ("v7x:2x2x4@ironwood-0", "v7x", "2x2x4", None, "ironwood-0", 4),
-    ("  v5e:8x8  ", "v5e", "8x8", None, None, 16),
-    ("v6e:4X4", "v6e", "4X4", None, None, 4),
-])
+@pytest.mark.parametrize(
+    "text,accel,topo,cph,name,hosts",
+    [
+        ("v4:2x2x2", "v4", "2x2x2", None, None, 2),
+        ("v6e:2x4:4@pool-a", "v6e", "2x4", 4, "pool-a", 2),
+        ("v6e:2x4", "v6e", "2x4", None, None, 1),
+        ("TPU-V6E:4x4", "TPU-V6E", "4x4", None, None, 4),
+        ("v7x:2x2x4@ironwood-0", "v7x", "2x2x4", None, "ironwood-0", 4),
+        ("  v5e:8x8  ", "v5e", "8x8", None, None, 16),
+        ("v6e:4X4", "v6e", "4X4", None, None, 4),
+    ],
+)
 def test_parse_forms(text, accel, topo, cph, name, hosts):
     spec = SliceSpec.parse(text)
-    assert (spec.accelerator_type, spec.topology, spec.chips_per_host, spec.name) == (
-        accel, topo, cph, name)
+    assert (spec.accelerator_type, spec.topology, spec.chips_per_host, spec.name) == (accel, topo, cph, name)
     assert spec.cpus_per_host == 2
     assert spec.topology_info.num_hosts == hosts
 
@@ -38,10 +40,22 @@ def test_parsed_topology_info():
     assert (t.generation, t.name, t.chips_per_host) == ("v6e", "2x4", 4)
 
 
-@pytest.mark.parametrize("garbage", [
-    "", "v4", "v4:", ":2x2x2", "v4-2x2x2", "v4:2x2x2:", "v4:2x2x2:four",
-    "v4:2x2x2@", "v4:2x2x2@Pool_A", "v4 : 2x2x2", "v4:2*2*2",
-])
+@pytest.mark.parametrize(
+    "garbage",
+    [
+        "",
+        "v4",
+        "v4:",
+        ":2x2x2",
+        "v4-2x2x2",
+        "v4:2x2x2:",
+        "v4:2x2x2:four",
+        "v4:2x2x2@",
+        "v4:2x2x2@Pool_A",
+        "v4 : 2x2x2",
+        "v4:2*2*2",
+    ],
+)
 def test_parse_garbage_lists_the_expected_form(garbage):
     with pytest.raises(ValueError) as info:
         SliceSpec.parse(garbage)
@@ -52,8 +66,9 @@ def test_parse_garbage_lists_the_expected_form(garbage):
 
 @pytest.mark.parametrize("bad_name", ["-pool", "pool-", "a--b-"])
 def test_parse_invalid_name(bad_name):
-    with pytest.raises(ValueError, match=(
-        rf"^slice name '{bad_name}' is not valid; use lowercase letters, digits and '-'$")):
+    with pytest.raises(
+        ValueError, match=(rf"^slice name '{bad_name}' is not valid; use lowercase letters, digits and '-'$")
+    ):
         SliceSpec.parse(f"v4:2x2x2@{bad_name}")
 
 
@@ -119,14 +134,17 @@ def test_host_environment_v7x():
     }
 
 
-@pytest.mark.parametrize("spec,accel,hostnames,devices", [
-    (("v4", "2x2x2"), "v4-16", "s-w-0,s-w-1", 4),
-    (("v4", "2x2x1"), "v4-8", "s-w-0", 4),
-    (("v6e", "4x4"), "v6e-16", "s-w-0,s-w-1,s-w-2,s-w-3", 4),
-    (("v6e", "2x4"), "v6e-8", "s-w-0", 8),
-    (("v5e", "2x2"), "v5litepod-4", "s-w-0", 4),
-    (("v5p", "2x2x4"), "v5p-32", "s-w-0,s-w-1,s-w-2,s-w-3", 4),
-])
+@pytest.mark.parametrize(
+    "spec,accel,hostnames,devices",
+    [
+        (("v4", "2x2x2"), "v4-16", "s-w-0,s-w-1", 4),
+        (("v4", "2x2x1"), "v4-8", "s-w-0", 4),
+        (("v6e", "4x4"), "v6e-16", "s-w-0,s-w-1,s-w-2,s-w-3", 4),
+        (("v6e", "2x4"), "v6e-8", "s-w-0", 8),
+        (("v5e", "2x2"), "v5litepod-4", "s-w-0", 4),
+        (("v5p", "2x2x4"), "v5p-32", "s-w-0,s-w-1,s-w-2,s-w-3", 4),
+    ],
+)
 def test_host_environment_per_shape(spec, accel, hostnames, devices):
     topo = Topology.parse(*spec)
     for worker in range(topo.num_hosts):
@@ -166,7 +184,7 @@ def test_constructing_starts_nothing():
     assert sim.startup_s is None
     assert sim.dashboard_url is None
     with pytest.raises(RuntimeError, match="not running"):
-        sim.address
+        sim.address  # noqa: B018 - the property raises
     with pytest.raises(RuntimeError, match="not running"):
         sim.add_slice(SliceSpec("v4", "2x2x2"))
     with pytest.raises(ValueError, match=r"^no slice 'a'; slices: none$"):
@@ -174,16 +192,16 @@ def test_constructing_starts_nothing():
 
 
 def test_duplicate_slice_names_rejected_before_anything_starts(monkeypatch):
-    import ray.cluster_utils
     import tempfile
+
+    import ray.cluster_utils
 
     def must_not_run(*a, **k):
         raise AssertionError("start() began starting Ray before validating")
 
     monkeypatch.setattr(ray.cluster_utils, "Cluster", must_not_run)
     monkeypatch.setattr(tempfile, "mkdtemp", must_not_run)
-    sim = SimulatedCluster([SliceSpec("v4", "2x2x2", name="a"), SliceSpec("v4", "2x2x1", name="a")],
-                           connect=False)
+    sim = SimulatedCluster([SliceSpec("v4", "2x2x2", name="a"), SliceSpec("v4", "2x2x1", name="a")], connect=False)
     with pytest.raises(ValueError, match=r"duplicate slice names in \['a', 'a'\]"):
         sim.start()
 

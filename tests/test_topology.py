@@ -25,10 +25,7 @@ from rayslice.topology import (
 
 # Every (generation, topology, chips_per_host) the catalog allows.
 CATALOG = [
-    (g, name, cph)
-    for g in GENERATIONS
-    for name in valid_topologies(g)
-    for cph in chips_per_host_options(g, name)
+    (g, name, cph) for g in GENERATIONS for name in valid_topologies(g) for cph in chips_per_host_options(g, name)
 ]
 IDS = [f"{g}-{n}-{c}" for g, n, c in CATALOG]
 
@@ -43,8 +40,7 @@ def test_topologies_listed_smallest_first_without_duplicates():
     for g in GENERATIONS:
         shapes = valid_topologies(g)
         assert len(set(shapes)) == len(shapes)
-        keys = [(math.prod(map(int, s.split("x"))), tuple(map(int, s.split("x"))))
-                for s in shapes]
+        keys = [(math.prod(map(int, s.split("x"))), tuple(map(int, s.split("x")))) for s in shapes]
         assert keys == sorted(keys), g
 
 
@@ -114,8 +110,7 @@ def test_ray_topology_table_differences_are_the_known_ones():
         ("v5e", "4x4", 4, "v5litepod-16", "v5litepod-16", 4, (2, 2), "ct5lp-hightpu-4t"),
         ("v5e", "1x1", 1, "v5litepod-1", "v5litepod-1", 1, (1, 1), "ct5lp-hightpu-1t"),
         ("v5p", "2x2x2", 4, "v5p-16", "v5p-16", 2, (1, 1, 2), "ct5p-hightpu-4t"),
-        ("v5p", "16x16x24", 4, "v5p-12288", "v5p-12288", 1536, (8, 8, 24),
-         "ct5p-hightpu-4t"),
+        ("v5p", "16x16x24", 4, "v5p-12288", "v5p-12288", 1536, (8, 8, 24), "ct5p-hightpu-4t"),
         ("v7x", "2x2x2", 4, "v7x-16", "tpu7x-16", 2, (1, 1, 2), "tpu7x-standard-4t"),
         ("v7x", "4x4x4", 4, "v7x-128", "tpu7x-128", 16, (2, 2, 4), "tpu7x-standard-4t"),
         ("v6e", "16x16", 4, "v6e-256", "v6e-256", 64, (8, 8), "ct6e-standard-4t"),
@@ -169,13 +164,28 @@ def test_v6e_spellings(spelling):
 @pytest.mark.parametrize(
     ("spelling", "want"),
     [
-        ("v5e", "v5e"), ("v5litepod", "v5e"), ("TPU-V5LITEPOD", "v5e"),
-        ("tpu-v5-lite-podslice", "v5e"), ("v5lite", "v5e"), ("tpu-v5-lite-device", "v5e"),
+        ("v5e", "v5e"),
+        ("v5litepod", "v5e"),
+        ("TPU-V5LITEPOD", "v5e"),
+        ("tpu-v5-lite-podslice", "v5e"),
+        ("v5lite", "v5e"),
+        ("tpu-v5-lite-device", "v5e"),
         ("v5litepod-16", "v5e"),
-        ("v4", "v4"), ("TPU-V4", "v4"), ("tpu-v4-podslice", "v4"), ("v4-16", "v4"),
-        ("v5p", "v5p"), ("TPU-V5P", "v5p"), ("tpu-v5p-slice", "v5p"), ("v5p-8", "v5p"),
-        ("v7x", "v7x"), ("TPU-V7X", "v7x"), ("tpu7x", "v7x"), ("ironwood", "v7x"),
-        ("tpu7x-16", "v7x"), ("IRONWOOD", "v7x"), ("v7x-16", "v7x"),
+        ("v4", "v4"),
+        ("TPU-V4", "v4"),
+        ("tpu-v4-podslice", "v4"),
+        ("v4-16", "v4"),
+        ("v5p", "v5p"),
+        ("TPU-V5P", "v5p"),
+        ("tpu-v5p-slice", "v5p"),
+        ("v5p-8", "v5p"),
+        ("v7x", "v7x"),
+        ("TPU-V7X", "v7x"),
+        ("tpu7x", "v7x"),
+        ("ironwood", "v7x"),
+        ("tpu7x-16", "v7x"),
+        ("IRONWOOD", "v7x"),
+        ("v7x-16", "v7x"),
     ],
 )
 def test_generation_spellings(spelling, want):
@@ -191,8 +201,7 @@ def test_unknown_generation_error_lists_valid(bad):
     assert all(g in msg for g in GENERATIONS)
 
 
-@pytest.mark.parametrize("bad", ["4x5", "4x", "abc", "0x4", "-2x2", "x", "4x4x", "4.0x4",
-                                 "", "32x32", "2x8"])
+@pytest.mark.parametrize("bad", ["4x5", "4x", "abc", "0x4", "-2x2", "x", "4x4x", "4.0x4", "", "32x32", "2x8"])
 def test_bad_topology_error_names_value_and_lists_valid(bad):
     with pytest.raises(ValueError) as e:
         Topology.parse("v6e", bad)
@@ -202,15 +211,24 @@ def test_bad_topology_error_names_value_and_lists_valid(bad):
 
 
 def test_example_message_from_the_spec():
-    with pytest.raises(ValueError, match=r"^'4x5' is not a v6e topology; valid: 1x1, 2x2, "
-                                         r"2x4, 4x4, 4x8, 8x8, 8x16, 16x16$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^'4x5' is not a v6e topology; valid: 1x1, 2x2, "
+        r"2x4, 4x4, 4x8, 8x8, 8x16, 16x16$",
+    ):
         Topology.parse("v6e", "4x5")
 
 
-@pytest.mark.parametrize(("gen", "bad", "kind"), [
-    ("v4", "4x4", "3D"), ("v5p", "2x2", "3D"), ("tpu7x", "8x8", "3D"),
-    ("v5e", "2x2x1", "2D"), ("v6e", "4x4x4", "2D"),
-])
+@pytest.mark.parametrize(
+    ("gen", "bad", "kind"),
+    [
+        ("v4", "4x4", "3D"),
+        ("v5p", "2x2", "3D"),
+        ("tpu7x", "8x8", "3D"),
+        ("v5e", "2x2x1", "2D"),
+        ("v6e", "4x4x4", "2D"),
+    ],
+)
 def test_wrong_rank_says_which_rank(gen, bad, kind):
     with pytest.raises(ValueError) as e:
         Topology.parse(gen, bad)
@@ -235,13 +253,25 @@ def test_topology_normalised():
     assert Topology("TPU-V6E", [4, 4], 4) == Topology("v6e", (4, 4), 4)
 
 
-@pytest.mark.parametrize(("gen", "name", "cph", "valid"), [
-    ("v6e", "2x4", 2, "4, 8"), ("v6e", "2x4", 1, "4, 8"), ("v6e", "4x4", 8, "4"),
-    ("v6e", "4x4", 16, "4"), ("v4", "2x2x1", 1, "4"), ("v4", "2x2x2", 8, "4"),
-    ("v5e", "1x1", 4, "1"), ("v5e", "2x2", 1, "4"), ("v7x", "2x2x1", 8, "4"),
-    ("v6e", "2x4", 0, "4, 8"), ("v6e", "2x4", -4, "4, 8"), ("v6e", "2x4", True, "4, 8"),
-    ("v6e", "2x4", 4.0, "4, 8"), ("v6e", "2x4", "4", "4, 8"),
-])
+@pytest.mark.parametrize(
+    ("gen", "name", "cph", "valid"),
+    [
+        ("v6e", "2x4", 2, "4, 8"),
+        ("v6e", "2x4", 1, "4, 8"),
+        ("v6e", "4x4", 8, "4"),
+        ("v6e", "4x4", 16, "4"),
+        ("v4", "2x2x1", 1, "4"),
+        ("v4", "2x2x2", 8, "4"),
+        ("v5e", "1x1", 4, "1"),
+        ("v5e", "2x2", 1, "4"),
+        ("v7x", "2x2x1", 8, "4"),
+        ("v6e", "2x4", 0, "4, 8"),
+        ("v6e", "2x4", -4, "4, 8"),
+        ("v6e", "2x4", True, "4, 8"),
+        ("v6e", "2x4", 4.0, "4, 8"),
+        ("v6e", "2x4", "4", "4, 8"),
+    ],
+)
 def test_impossible_chips_per_host(gen, name, cph, valid):
     with pytest.raises(ValueError) as e:
         Topology.parse(gen, name, chips_per_host=cph)

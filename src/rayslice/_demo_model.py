@@ -87,8 +87,14 @@ def train_loop(config: dict[str, Any]) -> None:
         updates, opt = tx.update(grads, state["opt"], state["params"])
         return {"params": optax.apply_updates(state["params"], updates), "opt": opt}, loss
 
-    it = iter_jax_batches(get_dataset_shard("train"), batch_size=config["batch_size"], columns=["x", "y"],
-                          ragged="drop", state=data_state, sharding=NamedSharding(mesh, PartitionSpec("data")))
+    it = iter_jax_batches(
+        get_dataset_shard("train"),
+        batch_size=config["batch_size"],
+        columns=["x", "y"],
+        ragged="drop",
+        state=data_state,
+        sharding=NamedSharding(mesh, PartitionSpec("data")),
+    )
     for batch in it:
         state, loss = step(state, batch)
         time.sleep(config.get("step_delay_s", 0.0))  # the demo slows down so a preemption can land mid-run
@@ -98,7 +104,6 @@ def train_loop(config: dict[str, Any]) -> None:
 
 def load_params(checkpoint_path: str, lr: float = 1e-3) -> Any:
     """Restores trained parameters from a rayslice/Orbax checkpoint onto this process's mesh."""
-    import jax
 
     from rayslice.train import Checkpoint
 

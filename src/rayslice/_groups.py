@@ -32,8 +32,9 @@ def remove_groups(groups: list[Any]) -> None:
             logger.debug("removing placement group %s failed", pg.id, exc_info=True)
 
 
-def create_groups(p: Plan, selectors: list[dict[str, str]], name: str, options: Mapping[str, Any],
-                   created: list[Any]) -> None:
+def create_groups(
+    p: Plan, selectors: list[dict[str, str]], name: str, options: Mapping[str, Any], created: list[Any]
+) -> None:
     from ray.util.placement_group import placement_group
 
     per_slice = p.request.hosts_per_slice

@@ -30,8 +30,15 @@ class WaitDisplay:
         clock: Monotonic clock.
     """
 
-    def __init__(self, what: str, *, enabled: bool = True, quiet_s: float = 1.0,
-                 clock: Callable[[], float] = time.monotonic, publish_every_s: float = 5.0) -> None:
+    def __init__(
+        self,
+        what: str,
+        *,
+        enabled: bool = True,
+        quiet_s: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+        publish_every_s: float = 5.0,
+    ) -> None:
         self.what = what
         self.enabled = enabled
         self.quiet_s = quiet_s

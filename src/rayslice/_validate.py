@@ -31,8 +31,17 @@ from rayslice.errors import InvalidArgument
 T = TypeVar("T")
 
 __all__ = [
-    "check_bool", "check_callable", "check_choice", "check_float", "check_instance", "check_int",
-    "check_optional", "check_resources", "check_str", "check_str_list", "fail",
+    "check_bool",
+    "check_callable",
+    "check_choice",
+    "check_float",
+    "check_instance",
+    "check_int",
+    "check_optional",
+    "check_resources",
+    "check_str",
+    "check_str_list",
+    "fail",
 ]
 
 
@@ -80,8 +89,15 @@ def check_int(name: str, value: object, *, minimum: int | None = None, maximum: 
     return value
 
 
-def check_float(name: str, value: object, *, minimum: float | None = None, maximum: float | None = None,
-                exclusive_min: bool = False, allow_inf: bool = False) -> float:
+def check_float(
+    name: str,
+    value: object,
+    *,
+    minimum: float | None = None,
+    maximum: float | None = None,
+    exclusive_min: bool = False,
+    allow_inf: bool = False,
+) -> float:
     """A real number (int or float, not bool or string), finite unless ``allow_inf``.
 
     Example:

@@ -31,8 +31,12 @@ from rayslice._deadline import Deadline
 from rayslice._tables import make_console
 from rayslice.errors import RaysliceError
 
-app = typer.Typer(no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False,
-                  help="Run JAX workloads on whole accelerator slices with Ray.")
+app = typer.Typer(
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+    help="Run JAX workloads on whole accelerator slices with Ray.",
+)
 sim_app = typer.Typer(no_args_is_help=True, help="A simulated TPU cluster on this machine.")
 app.add_typer(sim_app, name="sim")
 # Not cut to 80 columns when piped or logged (see rayslice._tables.make_console).
@@ -69,8 +73,13 @@ def _read_state() -> dict[str, Any] | None:
     except (OSError, ValueError) as e:
         err.print(f"[yellow]ignoring unreadable state file {path}: {e}[/yellow]", highlight=False)
         return None
-    valid = (isinstance(state, dict) and type(state.get("pid")) is int and state["pid"] > 0
-             and isinstance(state.get("address"), str) and isinstance(state.get("started"), int | float))
+    valid = (
+        isinstance(state, dict)
+        and type(state.get("pid")) is int
+        and state["pid"] > 0
+        and isinstance(state.get("address"), str)
+        and isinstance(state.get("started"), int | float)
+    )
     if not valid:
         err.print(f"[yellow]ignoring state file {path}: not written by `rayslice sim up`[/yellow]", highlight=False)
         return None
@@ -130,12 +139,15 @@ def _connected(address: str | None) -> Iterator[str]:
         raise RaysliceError("no cluster to connect to: pass --address, set RAY_ADDRESS, or run `rayslice sim up`")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     _check_reachable(address, timeout_s=5.0)
+
     # ray.init retries a silent endpoint for a long time: give it a deadline. It
     # runs in the main thread (Ray installs its signal handlers there); a timer
     # ends the command with one line if it has not connected in time.
     def give_up() -> None:
-        err.print(f"[red]error:[/red] cannot connect to Ray at {address}: no answer within {_CONNECT_TIMEOUT_S:g} s",
-                  highlight=False)
+        err.print(
+            f"[red]error:[/red] cannot connect to Ray at {address}: no answer within {_CONNECT_TIMEOUT_S:g} s",
+            highlight=False,
+        )
         os._exit(1)
 
     watchdog = threading.Timer(_CONNECT_TIMEOUT_S, give_up)
@@ -174,11 +186,18 @@ def _shape_and_type(first: str, second: str | None) -> tuple[str | None, str]:
 
 @app.command()
 def topology(
-    first: Annotated[str, typer.Argument(
-        metavar="TOPOLOGY", help="Topology, e.g. 4x4 (omit to list a generation's shapes).")],
-    second: Annotated[str | None, typer.Argument(
-        metavar="ACCELERATOR_TYPE", help="Generation in any spelling: v6e, TPU-V4, tpu-v5-lite-podslice ...")] = None,
-    chips_per_host: Annotated[int | None, typer.Option(help="Host layout for shapes that have two (v5e/v6e 2x4).")] = None,
+    first: Annotated[
+        str, typer.Argument(metavar="TOPOLOGY", help="Topology, e.g. 4x4 (omit to list a generation's shapes).")
+    ],
+    second: Annotated[
+        str | None,
+        typer.Argument(
+            metavar="ACCELERATOR_TYPE", help="Generation in any spelling: v6e, TPU-V4, tpu-v5-lite-podslice ..."
+        ),
+    ] = None,
+    chips_per_host: Annotated[
+        int | None, typer.Option(help="Host layout for shapes that have two (v5e/v6e 2x4).")
+    ] = None,
 ) -> None:
     """Facts of a TPU topology (`rayslice topology 4x4 v6e`), or a generation's shapes (`rayslice topology v6e`).
 
@@ -197,7 +216,9 @@ def topology(
 
 
 @app.command()
-def status(address: Annotated[str | None, typer.Option(help="Ray address (default: the running simulator).")] = None) -> None:
+def status(
+    address: Annotated[str | None, typer.Option(help="Ray address (default: the running simulator).")] = None,
+) -> None:
     """Slices of the cluster and their state, and rayslice reservations."""
     import ray
 
@@ -229,8 +250,9 @@ def explain(
     from rayslice.request import SliceRequest
 
     shape, accelerator_type = _shape_and_type(first, second)
-    request = SliceRequest.parse(shape or first, accelerator_type, num_slices=num_slices,
-                                 chips_per_host=chips_per_host)  # validated before connecting
+    request = SliceRequest.parse(
+        shape or first, accelerator_type, num_slices=num_slices, chips_per_host=chips_per_host
+    )  # validated before connecting
     with _connected(address):
         console.print(explain_plan(request).explain())
 
@@ -255,8 +277,10 @@ def sim_up(
         raise RaysliceError(f"--timeout-s={timeout_s:g} is not valid: expected a finite number > 0")
     state = _read_state()
     if state and _is_our_simulator(state):
-        raise RaysliceError(f"a simulated cluster is already running (pid {state['pid']}, {state['address']}); "
-                            "run `rayslice sim down` first")
+        raise RaysliceError(
+            f"a simulated cluster is already running (pid {state['pid']}, {state['address']}); "
+            "run `rayslice sim down` first"
+        )
     if detach:
         _detach(slice_, head_cpus, dashboard, timeout_s, verbose=verbose)
         return
@@ -273,8 +297,9 @@ def _detach(slices: list[str], head_cpus: int, dashboard: bool, timeout_s: float
     for s in slices:
         cmd += ["--slice", s]
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+        )
     deadline = Deadline(timeout_s)
     with err.status("starting simulated cluster in the background"):
         while True:
@@ -310,8 +335,17 @@ def _run_foreground(specs: list, head_cpus: int, dashboard: bool, *, verbose: bo
         console.print(f"address: [bold]{sim.address}[/bold]  (Ctrl-C or `rayslice sim down` to stop)")
         _home().mkdir(parents=True, exist_ok=True)
         tmp = _state_file().with_suffix(".tmp")
-        tmp.write_text(json.dumps({"pid": os.getpid(), "started": _process_started(os.getpid()),
-                                   "address": sim.address, "summary": summary, "dashboard": sim.dashboard_url}))
+        tmp.write_text(
+            json.dumps(
+                {
+                    "pid": os.getpid(),
+                    "started": _process_started(os.getpid()),
+                    "address": sim.address,
+                    "summary": summary,
+                    "dashboard": sim.dashboard_url,
+                }
+            )
+        )
         tmp.replace(_state_file())  # atomic: a reader never sees half a file
         while not stop.wait(0.5):
             pass
@@ -376,18 +410,32 @@ def k8s(
     chips_per_host: int | None = None,
     autoscale: Annotated[bool, typer.Option(help="Start at 0 slices; the autoscaler adds whole slices.")] = False,
     namespace: str | None = None,
-    ray_version: Annotated[str | None, typer.Option(
-        help="The image's Ray version (KubeRay's rayVersion). Default: from a rayproject/ray:X.Y.Z tag, "
-             "else the pinned Ray.")] = None,
-    check: Annotated[bool, typer.Option(
-        help="Validate against the KubeRay CRDs shipped with rayslice (or $RAYSLICE_KUBERAY_CRDS).")] = True,
+    ray_version: Annotated[
+        str | None,
+        typer.Option(
+            help="The image's Ray version (KubeRay's rayVersion). Default: from a rayproject/ray:X.Y.Z tag, "
+            "else the pinned Ray."
+        ),
+    ] = None,
+    check: Annotated[
+        bool, typer.Option(help="Validate against the KubeRay CRDs shipped with rayslice (or $RAYSLICE_KUBERAY_CRDS).")
+    ] = True,
 ) -> None:
     """Print a KubeRay manifest for GKE TPU node pools."""
     from rayslice.k8s import ClusterSpec, manifest, to_yaml, validate
 
-    spec = ClusterSpec(accelerator, topology, image=image, num_slices=slices, name=name, entrypoint=entrypoint,
-                       chips_per_host=chips_per_host, enable_autoscaling=autoscale, namespace=namespace,
-                       ray_version=ray_version)
+    spec = ClusterSpec(
+        accelerator,
+        topology,
+        image=image,
+        num_slices=slices,
+        name=name,
+        entrypoint=entrypoint,
+        chips_per_host=chips_per_host,
+        enable_autoscaling=autoscale,
+        namespace=namespace,
+        ray_version=ray_version,
+    )
     doc = manifest(kind, spec)
     if check:
         validate(doc)
@@ -396,8 +444,12 @@ def k8s(
 
 @app.command()
 def demo(
-    verbose: Annotated[bool, typer.Option(help="Also show everything Ray prints (INFO logs, Ray Data progress, "
-                                               "worker logs, raylet crash dumps).")] = False,
+    verbose: Annotated[
+        bool,
+        typer.Option(
+            help="Also show everything Ray prints (INFO logs, Ray Data progress, worker logs, raylet crash dumps)."
+        ),
+    ] = False,
 ) -> None:
     """Walk through rayslice on an embedded simulated cluster."""
     from rayslice.demo import run_demo

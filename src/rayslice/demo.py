@@ -185,18 +185,30 @@ def _llm(console: Console) -> str:
     with console.status("training a byte-level transformer with JaxTrainer on a 2-host slice"):
         result = train_tiny_lm(lm=lm, steps=60, batch_size=32, seq_len=128, lr=3e-3)
     losses = [m["loss"] for m in result.metrics_history]
-    console.print(f"trained {len(losses)} steps in {time.monotonic() - t0:.1f} s: "
-                  f"loss {losses[0]:.2f} -> {losses[-1]:.2f}")
+    console.print(
+        f"trained {len(losses)} steps in {time.monotonic() - t0:.1f} s: loss {losses[0]:.2f} -> {losses[-1]:.2f}"
+    )
     port = slice_serve.start_http()
     try:
-        cfg = LLMConfig(model_name="stdlib-lm", lm=lm, checkpoint=result.checkpoint.path,
-                        engine=EngineConfig(num_slots=8, max_context=256, prefill_buckets=(32, 128, 256),
-                                            max_tokens_limit=128, default_max_tokens=32))
+        cfg = LLMConfig(
+            model_name="stdlib-lm",
+            lm=lm,
+            checkpoint=result.checkpoint.path,
+            engine=EngineConfig(
+                num_slots=8,
+                max_context=256,
+                prefill_buckets=(32, 128, 256),
+                max_tokens_limit=128,
+                default_max_tokens=32,
+            ),
+        )
         t0 = time.monotonic()
         with console.status("deploying: reserve a slice, start 2 host processes, compile every shape"):
             serve.run(build_app(cfg), name="llm", route_prefix="/")
-        console.print(f"OpenAI-compatible API at http://127.0.0.1:{port}/v1 in {time.monotonic() - t0:.1f} s "
-                      "(model sharded over both hosts' 8 devices)")
+        console.print(
+            f"OpenAI-compatible API at http://127.0.0.1:{port}/v1 in {time.monotonic() - t0:.1f} s "
+            "(model sharded over both hosts' 8 devices)"
+        )
         try:
             import openai
         except ImportError:  # the demo's own install has it; a bare wheel may not
@@ -204,15 +216,21 @@ def _llm(console: Console) -> str:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
         prompt = "def __init__(self"
         pieces, t0, first = [], time.monotonic(), None
-        for chunk in client.completions.create(model="stdlib-lm", prompt=prompt, max_tokens=48, temperature=0.8,
-                                               top_p=0.95, seed=0, stream=True):
+        for chunk in client.completions.create(
+            model="stdlib-lm", prompt=prompt, max_tokens=48, temperature=0.8, top_p=0.95, seed=0, stream=True
+        ):
             first = first if first is not None else time.monotonic() - t0
             pieces.append(chunk.choices[0].text)
         text = "".join(pieces)
-        console.print(f"streamed {len(pieces)} chunks (first after {1000 * (first or 0):.0f} ms): "
-                      f"{(prompt + text)!r}", highlight=False, markup=False)
-        return (f"byte-level LM, loss {losses[0]:.2f} -> {losses[-1]:.2f}; streamed {len(pieces)} chunks "
-                f"over the OpenAI API, first token {1000 * (first or 0):.0f} ms")
+        console.print(
+            f"streamed {len(pieces)} chunks (first after {1000 * (first or 0):.0f} ms): {(prompt + text)!r}",
+            highlight=False,
+            markup=False,
+        )
+        return (
+            f"byte-level LM, loss {losses[0]:.2f} -> {losses[-1]:.2f}; streamed {len(pieces)} chunks "
+            f"over the OpenAI API, first token {1000 * (first or 0):.0f} ms"
+        )
     finally:
         serve.shutdown()
 

@@ -118,8 +118,9 @@ def run_on_slice(
     call_kwargs = {**(fn_kwargs or {}), **kwargs}
     if tpu_slice is not None:
         if not isinstance(tpu_slice, SlicePlacementGroup):
-            raise fail("tpu_slice", tpu_slice, "a SlicePlacementGroup from rayslice.slice_placement_group",
-                       got_type=True)
+            raise fail(
+                "tpu_slice", tpu_slice, "a SlicePlacementGroup from rayslice.slice_placement_group", got_type=True
+            )
         if topology is not None or accelerator_type is not None or accelerator_version is not None:
             raise fail("topology", topology, "None when tpu_slice is given (the held slice decides)")
         if tpu_slice.released:
@@ -140,9 +141,15 @@ def run_on_slice(
         check_optional(check_float, "run_timeout_s", run_timeout_s, minimum=0, exclusive_min=True)
     held = tpu_slice
     if held is None:
-        held = slice_placement_group(topology, accelerator_type, num_slices=num_slices,  # type: ignore[arg-type]
-                                     chips_per_host=chips_per_host, accelerator_version=accelerator_version,
-                                     chips_per_vm=chips_per_vm, timeout_s=timeout_s)
+        held = slice_placement_group(
+            topology,  # type: ignore[arg-type]  # checked above: not None without tpu_slice
+            accelerator_type,
+            num_slices=num_slices,
+            chips_per_host=chips_per_host,
+            accelerator_version=accelerator_version,
+            chips_per_vm=chips_per_vm,
+            timeout_s=timeout_s,
+        )
     try:
         if ray_form:
             refs = _dispatch_tasks(fn, held, slice_index, args, call_kwargs)
@@ -168,15 +175,20 @@ def _one_slice(spg: SlicePlacementGroup, slice_index: int) -> SlicePlacementGrou
     return SlicePlacementGroup._held(request, (dataclasses.replace(s, slice_index=0),), spg.name, spg.wait_s)
 
 
-def _dispatch_tasks(fn: Any, spg: SlicePlacementGroup, slice_index: int | None, args: tuple,
-                    kwargs: dict[str, Any]) -> list[Any]:
+def _dispatch_tasks(
+    fn: Any, spg: SlicePlacementGroup, slice_index: int | None, args: tuple, kwargs: dict[str, Any]
+) -> list[Any]:
     refs = []
     for s, h in spg.hosts():
         if slice_index is not None and s.slice_index != slice_index:
             continue
-        refs.append(fn.options(num_cpus=0, resources={"TPU": float(spg.topology.chips_per_host)},
-                               scheduling_strategy=spg.scheduling_strategy(s.slice_index, h.worker_id),
-                               ).remote(*args, **kwargs))
+        refs.append(
+            fn.options(
+                num_cpus=0,
+                resources={"TPU": float(spg.topology.chips_per_host)},
+                scheduling_strategy=spg.scheduling_strategy(s.slice_index, h.worker_id),
+            ).remote(*args, **kwargs)
+        )
     return refs
 
 

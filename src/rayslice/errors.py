@@ -131,8 +131,9 @@ class RunOutcome:
     rank: int | None = None
 
     @classmethod
-    def of(cls, exc: BaseException, *, elapsed_s: float = 0.0, lost_s: float = 0.0,
-           outcome: Outcome | None = None) -> RunOutcome:
+    def of(
+        cls, exc: BaseException, *, elapsed_s: float = 0.0, lost_s: float = 0.0, outcome: Outcome | None = None
+    ) -> RunOutcome:
         """The outcome of a failure: :func:`classify` decides unless ``outcome`` is given."""
         return cls(outcome or classify(exc), exc, elapsed_s, lost_s, getattr(exc, "rank", None))
 

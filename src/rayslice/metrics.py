@@ -67,8 +67,11 @@ class _Gauges:
         self.duty = g("rayslice_duty_cycle", "Fraction of time the accelerator is busy (0..1).")
         self.step = g("rayslice_step_time_seconds", "Duration of the last step, per host.")
         self.rss = g("rayslice_process_memory_bytes", "Resident memory of the host process.")
-        self.available = g("rayslice_metric_source_available", "1 when a metric source works, 0 when it is absent.",
-                           ("slice", "worker_id", "run", "source"))
+        self.available = g(
+            "rayslice_metric_source_available",
+            "1 when a metric source works, 0 when it is absent.",
+            ("slice", "worker_id", "run", "source"),
+        )
 
     @classmethod
     def get(cls) -> _Gauges:
@@ -89,8 +92,14 @@ def tpu_chip_usage() -> list[dict[str, float]] | None:
         if chip_type is None:
             return None
         usage = tpu_metrics.get_chip_usage(chip_type)
-        return [{"memory_used": float(u.memory_usage), "memory_total": float(u.total_memory),
-                 "duty_cycle": float(u.duty_cycle_pct) / 100.0} for u in usage]
+        return [
+            {
+                "memory_used": float(u.memory_usage),
+                "memory_total": float(u.total_memory),
+                "duty_cycle": float(u.duty_cycle_pct) / 100.0,
+            }
+            for u in usage
+        ]
     except Exception as e:  # the service is down or the API changed: degrade, never fail
         _warn_once("tpu-info", str(e))
         return None
@@ -105,8 +114,9 @@ def jax_memory_stats() -> list[dict[str, float]] | None:
         stats = d.memory_stats()
         if not stats:
             return None
-        out.append({"memory_used": float(stats.get("bytes_in_use", 0)),
-                    "memory_total": float(stats.get("bytes_limit", 0))})
+        out.append(
+            {"memory_used": float(stats.get("bytes_in_use", 0)), "memory_total": float(stats.get("bytes_limit", 0))}
+        )
     return out
 
 
@@ -119,8 +129,9 @@ class HostSampler:
         clock: Monotonic clock (injectable).
     """
 
-    def __init__(self, tags: Mapping[str, str], *, interval_s: float = 2.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, tags: Mapping[str, str], *, interval_s: float = 2.0, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.tags = {k: str(tags.get(k, "")) for k in ("slice", "worker_id", "run")}
         self.interval_s = interval_s
         self._clock = clock
@@ -158,8 +169,11 @@ class HostSampler:
         chips = tpu_chip_usage()
         self._source("tpu-info", chips is not None, "tpu-info not installed or libtpu metrics service unreachable")
         devices = chips if chips is not None else jax_memory_stats()
-        self._source("jax-memory-stats", chips is not None or devices is not None,
-                     "JAX exposes no memory_stats() on this backend")
+        self._source(
+            "jax-memory-stats",
+            chips is not None or devices is not None,
+            "JAX exposes no memory_stats() on this backend",
+        )
         for i, d in enumerate(devices or []):
             g.mem_used.set(d["memory_used"], tags=self._t(str(i)))
             g.mem_total.set(d["memory_total"], tags=self._t(str(i)))
@@ -211,10 +225,10 @@ class GoodputExporter:
         from ray.util.metrics import Gauge
 
         self.run = run
-        self.seconds = Gauge("rayslice_goodput_seconds", "Wall time of a run by goodput component.",
-                             tag_keys=("run", "component"))
-        self.fraction = Gauge("rayslice_goodput_fraction", "Productive share of a run's wall time.",
-                              tag_keys=("run",))
+        self.seconds = Gauge(
+            "rayslice_goodput_seconds", "Wall time of a run by goodput component.", tag_keys=("run", "component")
+        )
+        self.fraction = Gauge("rayslice_goodput_fraction", "Productive share of a run's wall time.", tag_keys=("run",))
 
     def export(self, seconds: Mapping[str, float], fraction: float) -> None:
         try:

@@ -63,8 +63,15 @@ from rayslice.topology import Topology
 logger = logging.getLogger(__name__)
 
 
-__all__ = ["PG_NAME_PREFIX", "ReservedHost", "ReservedSlice", "SlicePlacementGroup", "explain",
-           "slice_placement_group", "waiting_reservations"]
+__all__ = [
+    "PG_NAME_PREFIX",
+    "ReservedHost",
+    "ReservedSlice",
+    "SlicePlacementGroup",
+    "explain",
+    "slice_placement_group",
+    "waiting_reservations",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,15 +119,24 @@ class SlicePlacementGroup:
     slices: tuple[ReservedSlice, ...]
     name: str
     wait_s: float
+    _pg_per_slice: bool
+    _released: bool
 
-    def __init__(self, topology: str | Topology | SliceRequest, accelerator_version: str | None = None,
-                 **kwargs: Any) -> None:
+    def __init__(
+        self, topology: str | Topology | SliceRequest, accelerator_version: str | None = None, **kwargs: Any
+    ) -> None:
         held = slice_placement_group(topology, accelerator_version, **kwargs)
         self.__dict__.update(held.__dict__)
 
     @classmethod
-    def _held(cls, request: SliceRequest, slices: tuple[ReservedSlice, ...], name: str, wait_s: float,
-              pg_per_slice: bool = False) -> SlicePlacementGroup:
+    def _held(
+        cls,
+        request: SliceRequest,
+        slices: tuple[ReservedSlice, ...],
+        name: str,
+        wait_s: float,
+        pg_per_slice: bool = False,
+    ) -> SlicePlacementGroup:
         self = cls.__new__(cls)
         self.request, self.slices, self.name, self.wait_s = request, slices, name, wait_s
         self._pg_per_slice = pg_per_slice
@@ -162,8 +178,10 @@ class SlicePlacementGroup:
         if self._pg_per_slice:
             raise ValueError("pg_per_slice=True, use `slice_placement_groups` instead.")
         if self.num_slices > 1:
-            raise ValueError(f"this reservation holds {self.num_slices} slices, one placement group each "
-                             "(a group never straddles slices): use `slice_placement_groups`")
+            raise ValueError(
+                f"this reservation holds {self.num_slices} slices, one placement group each "
+                "(a group never straddles slices): use `slice_placement_groups`"
+            )
         return self.slices[0].placement_group
 
     @property
@@ -273,10 +291,15 @@ class SlicePlacementGroup:
         return f"SlicePlacementGroup({self.topology.name} {self.topology.generation}, slices=[{names}])"
 
 
-def explain(topology: str | Topology | SliceRequest, accelerator_type: str | None = None, *,
-            num_slices: int | None = None, chips_per_host: int | None = None,
-            resources_per_host: Mapping[str, float] | None = None,
-            accelerator_version: str | None = None) -> Plan:
+def explain(
+    topology: str | Topology | SliceRequest,
+    accelerator_type: str | None = None,
+    *,
+    num_slices: int | None = None,
+    chips_per_host: int | None = None,
+    resources_per_host: Mapping[str, float] | None = None,
+    accelerator_version: str | None = None,
+) -> Plan:
     """The per-slice report a reservation would act on, without reserving.
 
     Takes the same request arguments as :func:`slice_placement_group`.
@@ -287,8 +310,17 @@ def explain(topology: str | Topology | SliceRequest, accelerator_type: str | Non
           - a: busy: host 1 has 0/4 chips free
           - b: free
     """
-    request = request_from_args(topology, accelerator_type, accelerator_version, num_slices, chips_per_host, None,
-                           resources_per_host, None, None)
+    request = request_from_args(
+        topology,
+        accelerator_type,
+        accelerator_version,
+        num_slices,
+        chips_per_host,
+        None,
+        resources_per_host,
+        None,
+        None,
+    )
     return plan(request, list_slices())
 
 
@@ -385,8 +417,17 @@ def slice_placement_group(
         >>> spg.num_hosts, spg.release()  # doctest: +SKIP
         (2, None)
     """
-    request = request_from_args(topology, accelerator_type, accelerator_version, num_slices, chips_per_host,
-                           chips_per_vm, resources_per_host, resources_per_bundle, tpu_resource_per_chip)
+    request = request_from_args(
+        topology,
+        accelerator_type,
+        accelerator_version,
+        num_slices,
+        chips_per_host,
+        chips_per_vm,
+        resources_per_host,
+        resources_per_bundle,
+        tpu_resource_per_chip,
+    )
     if head_reservation_timeout_s is not None:
         timeout_s = head_reservation_timeout_s
     timeout_s = check_optional(check_float, "timeout_s", timeout_s, minimum=0, allow_inf=True)
@@ -397,8 +438,12 @@ def slice_placement_group(
     check_bool("progress", progress)
     strategy = check_choice("strategy", strategy, _STRATEGIES)
     if strategy.endswith("PACK") and request.hosts_per_slice > 1:
-        raise fail("strategy", strategy, f"a SPREAD strategy: a {request.topology} slice spans "
-                                         f"{request.hosts_per_slice} hosts (Ray nodes), which PACK cannot place")
+        raise fail(
+            "strategy",
+            strategy,
+            f"a SPREAD strategy: a {request.topology} slice spans "
+            f"{request.hosts_per_slice} hosts (Ray nodes), which PACK cannot place",
+        )
     lifetime = check_choice("lifetime", lifetime, (None, "detached"))
     selectors = bundle_label_selectors(bundle_label_selector, request)
     if name is None or name == "":
@@ -456,8 +501,9 @@ def slice_placement_group(
             if deadline.expired:
                 raise ReservationTimeout(f"no {num} free slice(s) of {topo} within {timeout_s:g} s", p.explain())
             if display.update(p, deadline):
-                publish_waiting(name, {"name": name, "request": str(request), "since_s": deadline.elapsed,
-                                       "report": p.explain()})
+                publish_waiting(
+                    name, {"name": name, "request": str(request), "since_s": deadline.elapsed, "report": p.explain()}
+                )
             sleep(min(interval, deadline.remaining))
             interval = min(interval * 1.5, 1.0)
     except BaseException:
@@ -471,8 +517,9 @@ def slice_placement_group(
             request_capacity(topo, 0)
 
 
-def _build(request: SliceRequest, p: Plan, groups: list[Any], name: str, wait_s: float,
-           pg_per_slice: bool) -> SlicePlacementGroup:
+def _build(
+    request: SliceRequest, p: Plan, groups: list[Any], name: str, wait_s: float, pg_per_slice: bool
+) -> SlicePlacementGroup:
     reserved = []
     for index, (s, pg) in enumerate(zip(p.chosen, groups)):
         hosts = tuple(ReservedHost(h.worker_id, h.node_id, h.ip, bundle_index=h.worker_id) for h in s.hosts)

@@ -108,8 +108,12 @@ def _resource_problem(hosts: tuple[HostInfo, ...], extra: dict[str, float]) -> t
             if total < amount:
                 have = f"{total:g} {key} in total" if key in h.resources_total else f"no {key!r} resource"
                 return False, f"too small: host {h.worker_id} has {have}, request wants {amount:g} per host"
-    busy = [f"host {h.worker_id} has {h.resources_free.get(k, 0.0):g}/{h.resources_total.get(k, 0.0):g} {k} free"
-            for h in hosts for k, amount in extra.items() if h.resources_free.get(k, 0.0) < amount]
+    busy = [
+        f"host {h.worker_id} has {h.resources_free.get(k, 0.0):g}/{h.resources_total.get(k, 0.0):g} {k} free"
+        for h in hosts
+        for k, amount in extra.items()
+        if h.resources_free.get(k, 0.0) < amount
+    ]
     return (True, "busy: " + ", ".join(busy)) if busy else None
 
 
@@ -121,9 +125,13 @@ def _reason(s: SliceInfo, request: SliceRequest) -> tuple[bool, bool, str]:
     if s.pod_type != want.pod_type or s.topology != want.name:
         return False, False, f"other shape: {s.accelerator_type} {s.topology} ({s.pod_type})"
     if s.hosts_expected != want.num_hosts:
-        return False, False, (
-            f"other host layout: {s.hosts_expected} host(s) of {s.chips_per_host} chips, "
-            f"request wants {want.num_hosts} of {want.chips_per_host}"
+        return (
+            False,
+            False,
+            (
+                f"other host layout: {s.hosts_expected} host(s) of {s.chips_per_host} chips, "
+                f"request wants {want.num_hosts} of {want.chips_per_host}"
+            ),
         )
     problems = []
     if s.missing_workers:

@@ -48,8 +48,12 @@ def init_jax_profiler(port: int | None = None) -> int:
     ctx = host_context()
     key = _KV_PREFIX + f"{ctx.gang_name}/{ctx.rank}".encode()
     address = f"{ray.util.get_node_ip_address()}:{port}"
-    _internal_kv_put(key, json.dumps({"address": address, "slice": ctx.slice_name, "worker_id": ctx.worker_id}),
-                     overwrite=True, namespace=b"rayslice")
+    _internal_kv_put(
+        key,
+        json.dumps({"address": address, "slice": ctx.slice_name, "worker_id": ctx.worker_id}),
+        overwrite=True,
+        namespace=b"rayslice",
+    )
     return port
 
 
@@ -104,10 +108,12 @@ def gang_actors(gang: str) -> dict[str, Any]:
         known = sorted({n.split("/")[0] for n in named})
         raise ValueError(f"no running gang named {gang!r}; running: {', '.join(known) or 'none'}")
     keys = {n: f"{n.split('/')[1]}-host-{int(n.rsplit('/', 1)[1])}" for n in mine}
-    return {keys[n]: ray.get_actor(n, namespace=NAMESPACE) for n in sorted(mine, key=keys.get)}
+    return {keys[n]: ray.get_actor(n, namespace=NAMESPACE) for n in sorted(mine, key=lambda n: keys[n])}
 
 
-def capture(gang: str, seconds: float = 5.0, output_dir: str | None = None, timeout_s: float = 120.0) -> dict[str, list[str]]:
+def capture(
+    gang: str, seconds: float = 5.0, output_dir: str | None = None, timeout_s: float = 120.0
+) -> dict[str, list[str]]:
     """Records a JAX trace on every host of ``gang`` at once.
 
     Args:
@@ -127,8 +133,10 @@ def capture(gang: str, seconds: float = 5.0, output_dir: str | None = None, time
     first = next(iter(actors.values()))
     root = output_dir or ray.get(first.call.remote(_default_dir, (gang,), {}), timeout=30)
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    ray.get([a.call.remote(_start_trace, (os.path.join(root, stamp, key), seconds), {}) for key, a in actors.items()],
-            timeout=timeout_s)
+    ray.get(
+        [a.call.remote(_start_trace, (os.path.join(root, stamp, key), seconds), {}) for key, a in actors.items()],
+        timeout=timeout_s,
+    )
     time.sleep(seconds)  # the traces record meanwhile, on every host
     refs = {key: a.call.remote(_finish_trace, (timeout_s,), {}) for key, a in actors.items()}
     return dict(zip(refs, ray.get(list(refs.values()), timeout=timeout_s + 10)))

@@ -80,8 +80,11 @@ class SliceRequest:
         """
         if isinstance(topology, SliceRequest):
             if accelerator_type is not None or chips_per_host is not None:
-                raise fail("accelerator_type", accelerator_type,
-                           "None when topology is already a SliceRequest (its topology is fixed)")
+                raise fail(
+                    "accelerator_type",
+                    accelerator_type,
+                    "None when topology is already a SliceRequest (its topology is fixed)",
+                )
             changes: dict[str, Any] = {}
             if num_slices is not None:
                 changes["num_slices"] = num_slices
@@ -90,13 +93,17 @@ class SliceRequest:
             return dataclasses.replace(topology, **changes) if changes else topology
         if isinstance(topology, Topology):
             if chips_per_host is not None and chips_per_host != topology.chips_per_host:
-                raise fail("chips_per_host", chips_per_host,
-                           f"{topology.chips_per_host} (fixed by the Topology given) or None")
+                raise fail(
+                    "chips_per_host", chips_per_host, f"{topology.chips_per_host} (fixed by the Topology given) or None"
+                )
             topo = topology
         else:
             if accelerator_type is None:
-                raise fail("accelerator_type", accelerator_type,
-                           "a TPU generation such as 'TPU-V6E' or 'v6e' when topology is a string")
+                raise fail(
+                    "accelerator_type",
+                    accelerator_type,
+                    "a TPU generation such as 'TPU-V6E' or 'v6e' when topology is a string",
+                )
             topo = Topology.parse(topology, accelerator_type, chips_per_host=chips_per_host)
         return cls(topo, 1 if num_slices is None else num_slices, resources_per_host or {})
 
@@ -119,9 +126,17 @@ class SliceRequest:
         return f"{self.num_slices} x {self.topology}"
 
 
-def request_from_args(topology: Any, accelerator_type: Any, accelerator_version: Any, num_slices: Any,
-                 chips_per_host: Any, chips_per_vm: Any, resources_per_host: Any,
-                 resources_per_bundle: Any, tpu_resource_per_chip: Any) -> SliceRequest:
+def request_from_args(
+    topology: Any,
+    accelerator_type: Any,
+    accelerator_version: Any,
+    num_slices: Any,
+    chips_per_host: Any,
+    chips_per_vm: Any,
+    resources_per_host: Any,
+    resources_per_bundle: Any,
+    tpu_resource_per_chip: Any,
+) -> SliceRequest:
     """One SliceRequest from rayslice's or Ray's spelling of the same arguments.
 
     Ray's ``accelerator_version``, ``chips_per_vm``, ``resources_per_bundle``
@@ -134,8 +149,11 @@ def request_from_args(topology: Any, accelerator_type: Any, accelerator_version:
     """
     if accelerator_version is not None:
         if accelerator_type is not None and accelerator_type != accelerator_version:
-            raise fail("accelerator_version", accelerator_version,
-                       f"the same as accelerator_type={accelerator_type!r}, or pass only one of them")
+            raise fail(
+                "accelerator_version",
+                accelerator_version,
+                f"the same as accelerator_type={accelerator_type!r}, or pass only one of them",
+            )
         accelerator_type = accelerator_version
     if chips_per_vm is not None:
         if chips_per_host is not None and chips_per_host != chips_per_vm:
@@ -147,19 +165,31 @@ def request_from_args(topology: Any, accelerator_type: Any, accelerator_version:
         check_int("chips_per_host", chips_per_host, minimum=1)
     if resources_per_bundle is not None:
         if resources_per_host is not None:
-            raise fail("resources_per_bundle", resources_per_bundle,
-                       "None when resources_per_host is given (they are the same thing)")
+            raise fail(
+                "resources_per_bundle",
+                resources_per_bundle,
+                "None when resources_per_host is given (they are the same thing)",
+            )
         bundle = check_resources("resources_per_bundle", resources_per_bundle)
         chips = bundle.pop("TPU", None)
-        request = SliceRequest.parse(topology, accelerator_type, num_slices=num_slices,
-                                     chips_per_host=chips_per_host, resources_per_host=bundle)
+        request = SliceRequest.parse(
+            topology, accelerator_type, num_slices=num_slices, chips_per_host=chips_per_host, resources_per_host=bundle
+        )
         if chips is not None and chips != request.topology.chips_per_host:
-            raise fail("resources_per_bundle", resources_per_bundle,
-                       f"'TPU': {request.topology.chips_per_host} or no 'TPU' entry: rayslice reserves one bundle "
-                       f"per host holding all its chips ({request.topology})")
+            raise fail(
+                "resources_per_bundle",
+                resources_per_bundle,
+                f"'TPU': {request.topology.chips_per_host} or no 'TPU' entry: rayslice reserves one bundle "
+                f"per host holding all its chips ({request.topology})",
+            )
         return request
-    return SliceRequest.parse(topology, accelerator_type, num_slices=num_slices, chips_per_host=chips_per_host,
-                              resources_per_host=resources_per_host)
+    return SliceRequest.parse(
+        topology,
+        accelerator_type,
+        num_slices=num_slices,
+        chips_per_host=chips_per_host,
+        resources_per_host=resources_per_host,
+    )
 
 
 def bundle_label_selectors(value: Any, request: SliceRequest) -> list[dict[str, str]]:
@@ -174,8 +204,10 @@ def bundle_label_selectors(value: Any, request: SliceRequest) -> list[dict[str, 
         return [{} for _ in range(request.num_hosts)]
     if isinstance(value, Mapping):
         value = [value]
-    valid = (f"a dict of label -> value, or a list of 1, {request.hosts_per_slice} (per host of a slice) "
-             f"or {request.num_hosts} (per bundle) dicts")
+    valid = (
+        f"a dict of label -> value, or a list of 1, {request.hosts_per_slice} (per host of a slice) "
+        f"or {request.num_hosts} (per bundle) dicts"
+    )
     if not isinstance(value, list | tuple) or not all(isinstance(d, Mapping) for d in value):
         raise fail("bundle_label_selector", value, valid, got_type=True)
     for d in value:

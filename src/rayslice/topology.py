@@ -29,8 +29,16 @@ from types import MappingProxyType
 
 from rayslice.errors import InvalidArgument
 
-__all__ = ["GENERATIONS", "MEGASCALE_PORT", "Generation", "Topology", "chips_per_host_options",
-           "generation", "is_shape", "valid_topologies"]
+__all__ = [
+    "GENERATIONS",
+    "MEGASCALE_PORT",
+    "Generation",
+    "Topology",
+    "chips_per_host_options",
+    "generation",
+    "is_shape",
+    "valid_topologies",
+]
 
 GENERATIONS: tuple[str, ...] = ("v4", "v5e", "v5p", "v6e", "v7x")
 
@@ -127,23 +135,63 @@ _SHAPES_2D = _smallest_first({"1x1", "2x2", "2x4", "4x4", "4x8", "8x8", "8x16", 
 _CATALOG: dict[str, Generation] = {
     g.name: g
     for g in (
-        Generation("v4", "TPU-V4", "v4", "v4", "tpu-v4-podslice", 2, 1,
-                   _cube_shapes((16, 16, 16)),
-                   MappingProxyType({4: "ct4p-hightpu-4t"})),
-        Generation("v5e", "TPU-V5LITEPOD", "v5litepod", "v5litepod",
-                   "tpu-v5-lite-podslice", 1, 1, _SHAPES_2D,
-                   MappingProxyType({1: "ct5lp-hightpu-1t", 4: "ct5lp-hightpu-4t",
-                                     8: "ct5lp-hightpu-8t"})),
-        Generation("v5p", "TPU-V5P", "v5p", "v5p", "tpu-v5p-slice", 2, 1,
-                   _cube_shapes((16, 16, 24)),
-                   MappingProxyType({4: "ct5p-hightpu-4t"})),
-        Generation("v6e", "TPU-V6E", "v6e", "v6e", "tpu-v6e-slice", 1, 1, _SHAPES_2D,
-                   MappingProxyType({1: "ct6e-standard-1t", 4: "ct6e-standard-4t",
-                                     8: "ct6e-standard-8t"})),
-        Generation("v7x", "TPU-V7X", "v7x", "tpu7x", "tpu7x", 2, 2,
-                   _smallest_first({"2x2x1", "2x2x2", "2x2x4", "2x4x4", "4x4x4",
-                                    "4x4x8", "4x8x8", "8x8x8", "8x8x16", "8x16x16"}),
-                   MappingProxyType({4: "tpu7x-standard-4t"})),
+        Generation(
+            "v4",
+            "TPU-V4",
+            "v4",
+            "v4",
+            "tpu-v4-podslice",
+            2,
+            1,
+            _cube_shapes((16, 16, 16)),
+            MappingProxyType({4: "ct4p-hightpu-4t"}),
+        ),
+        Generation(
+            "v5e",
+            "TPU-V5LITEPOD",
+            "v5litepod",
+            "v5litepod",
+            "tpu-v5-lite-podslice",
+            1,
+            1,
+            _SHAPES_2D,
+            MappingProxyType({1: "ct5lp-hightpu-1t", 4: "ct5lp-hightpu-4t", 8: "ct5lp-hightpu-8t"}),
+        ),
+        Generation(
+            "v5p",
+            "TPU-V5P",
+            "v5p",
+            "v5p",
+            "tpu-v5p-slice",
+            2,
+            1,
+            _cube_shapes((16, 16, 24)),
+            MappingProxyType({4: "ct5p-hightpu-4t"}),
+        ),
+        Generation(
+            "v6e",
+            "TPU-V6E",
+            "v6e",
+            "v6e",
+            "tpu-v6e-slice",
+            1,
+            1,
+            _SHAPES_2D,
+            MappingProxyType({1: "ct6e-standard-1t", 4: "ct6e-standard-4t", 8: "ct6e-standard-8t"}),
+        ),
+        Generation(
+            "v7x",
+            "TPU-V7X",
+            "v7x",
+            "tpu7x",
+            "tpu7x",
+            2,
+            2,
+            _smallest_first(
+                {"2x2x1", "2x2x2", "2x2x4", "2x4x4", "4x4x4", "4x4x8", "4x8x8", "8x8x8", "8x8x16", "8x16x16"}
+            ),
+            MappingProxyType({4: "tpu7x-standard-4t"}),
+        ),
     )
 }
 
@@ -164,15 +212,33 @@ _LEGACY = {
 # and legacy labels ("tpu-v5-lite-device" is GKE's old single-host v5e label).
 _ALIASES: dict[str, str] = {}
 for _g in _CATALOG.values():
-    for _alias in (_g.name, _g.accelerator_type, _g.ray_prefix, _g.api_prefix,
-                   _g.gke_accelerator, f"tpu-{_g.name}", f"tpu-{_g.ray_prefix}"):
+    for _alias in (
+        _g.name,
+        _g.accelerator_type,
+        _g.ray_prefix,
+        _g.api_prefix,
+        _g.gke_accelerator,
+        f"tpu-{_g.name}",
+        f"tpu-{_g.ray_prefix}",
+    ):
         _ALIASES[_alias.lower()] = _g.name
-_ALIASES.update({"v5lite": "v5e", "v5lite-pod": "v5e", "tpu-v5-lite-device": "v5e",
-                 "trillium": "v6e", "ironwood": "v7x", "tpu-7x": "v7x"})
+_ALIASES.update(
+    {
+        "v5lite": "v5e",
+        "v5lite-pod": "v5e",
+        "tpu-v5-lite-device": "v5e",
+        "trillium": "v6e",
+        "ironwood": "v7x",
+        "tpu-7x": "v7x",
+    }
+)
 
 # Block of chips one host holds, by (shape rank, chips per host).
 _HOST_BLOCKS: dict[tuple[int, int], tuple[int, ...]] = {
-    (2, 1): (1, 1), (2, 4): (2, 2), (2, 8): (2, 4), (3, 4): (2, 2, 1),
+    (2, 1): (1, 1),
+    (2, 4): (2, 2),
+    (2, 8): (2, 4),
+    (3, 4): (2, 2, 1),
 }
 
 
@@ -235,9 +301,7 @@ _gen = generation
 
 
 def _bad_topology(value: object, gen: Generation, why: str = "") -> InvalidArgument:
-    return InvalidArgument(
-        f"{value!r} is not a {gen.name} topology{why}; valid: {', '.join(gen.topologies)}"
-    )
+    return InvalidArgument(f"{value!r} is not a {gen.name} topology{why}; valid: {', '.join(gen.topologies)}")
 
 
 def _check_shape(gen: Generation, value: object, shape: tuple[int, ...] | None) -> str:
@@ -262,9 +326,9 @@ def _parse_shape(topology: object) -> tuple[int, ...] | None:
         if re.fullmatch(r"\d{1,6}(x\d{1,6})+", text):  # no real axis has 7 digits
             return _dims(text)
         return None
-    ints = isinstance(topology, (tuple, list)) and all(
-        isinstance(d, int) and not isinstance(d, bool) for d in topology)
-    return tuple(topology) if ints else None
+    if isinstance(topology, tuple | list) and all(isinstance(d, int) and not isinstance(d, bool) for d in topology):
+        return tuple(topology)
+    return None
 
 
 def chips_per_host_options(generation: str, topology: str) -> tuple[int, ...]:
@@ -327,9 +391,7 @@ class Topology:
             )
 
     @classmethod
-    def parse(
-        cls, topology: str, accelerator_type: str, *, chips_per_host: int | None = None
-    ) -> Topology:
+    def parse(cls, topology: str, accelerator_type: str, *, chips_per_host: int | None = None) -> Topology:
         """Build a Topology from a topology string and a generation spelling.
 
         The order is Ray's (``topology``, then ``accelerator_type``), and both
@@ -357,8 +419,10 @@ class Topology:
         if old_order or (_is_generation(topology) and not _is_generation(accelerator_type)):
             topology, accelerator_type = accelerator_type, topology  # the older (generation, shape) order
         if isinstance(accelerator_type, str) and _parse_shape(accelerator_type) is not None:
-            raise InvalidArgument(f"accelerator_type={accelerator_type!r} is a shape, not a TPU generation; "
-                             f"valid: {', '.join(GENERATIONS)}")
+            raise InvalidArgument(
+                f"accelerator_type={accelerator_type!r} is a shape, not a TPU generation; "
+                f"valid: {', '.join(GENERATIONS)}"
+            )
         gen = generation(accelerator_type)
         shape = _parse_shape(topology)
         name = _check_shape(gen, topology, shape)
@@ -446,5 +510,4 @@ class Topology:
 
     def __str__(self) -> str:
         hosts = f"{self.num_hosts} host" + ("" if self.num_hosts == 1 else "s")
-        return (f"{self.generation} {self.name} ({self.num_chips} chips, "
-                f"{hosts} x {self.chips_per_host})")
+        return f"{self.generation} {self.name} ({self.num_chips} chips, {hosts} x {self.chips_per_host})"

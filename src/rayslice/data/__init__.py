@@ -19,5 +19,13 @@ from rayslice.data.predict import batch_predict, local_rows
 
 RAGGED_POLICIES = tuple(r.value for r in Ragged)
 
-__all__ = ["RAGGED_POLICIES", "FeederOptions", "JaxBatchIterator", "Ragged", "RaggedBatchError", "batch_predict",
-           "iter_jax_batches", "local_rows"]
+__all__ = [
+    "RAGGED_POLICIES",
+    "FeederOptions",
+    "JaxBatchIterator",
+    "Ragged",
+    "RaggedBatchError",
+    "batch_predict",
+    "iter_jax_batches",
+    "local_rows",
+]

@@ -57,8 +57,10 @@ class RowAgreement:
         if self.client is None:
             return [meta]
         self.client.key_value_set(f"{self.prefix}/meta/{self.process}", json.dumps(meta))
-        return [meta if p == self.process else json.loads(self._get(f"{self.prefix}/meta/{p}", p, "its settings"))
-                for p in range(self.count)]
+        return [
+            meta if p == self.process else json.loads(self._get(f"{self.prefix}/meta/{p}", p, "its settings"))
+            for p in range(self.count)
+        ]
 
     def abort(self, step: int | None, message: str) -> None:
         """Tells the other hosts this one failed, where they wait for it next
@@ -75,8 +77,9 @@ class RowAgreement:
         try:
             return self.client.blocking_key_value_get(key, self.timeout_ms)  # type: ignore[union-attr]
         except Exception as e:  # the runtime raises its own XlaRuntimeError
-            raise TimeoutError(f"host {p} did not report {what} within {self.timeout_ms / 1000:g} s "
-                               f"(agreement_timeout_s): {e}") from e
+            raise TimeoutError(
+                f"host {p} did not report {what} within {self.timeout_ms / 1000:g} s (agreement_timeout_s): {e}"
+            ) from e
 
     def exchange(self, step: int, mine: list[int], window: int) -> list[list[int]]:
         """Agrees on row counts for steps ``step .. step+window-1``.

@@ -57,8 +57,10 @@ def collate(fn: Callable[..., Any], batch: Batch) -> Batch:
         raise TypeError(f"collate_fn returned {type(out).__name__}; expected a np.ndarray or dict[str, np.ndarray]")
     result = to_numpy_batch(out, None)
     if rows_of(result) != rows_of(batch):
-        raise ValueError(f"collate_fn returned {rows_of(result)} row(s) for a batch of {rows_of(batch)}; "
-                         "it must keep the rows (the feeder counts them to resume)")
+        raise ValueError(
+            f"collate_fn returned {rows_of(result)} row(s) for a batch of {rows_of(batch)}; "
+            "it must keep the rows (the feeder counts them to resume)"
+        )
     return result
 
 
@@ -66,24 +68,32 @@ def _checked_astype(name: str, v: np.ndarray, dtype: np.dtype) -> np.ndarray:
     if v.dtype == dtype:
         return v
     if not on_device(v.dtype):
-        raise TypeError(f"column {name!r} holds {v.dtype} values, which cannot be cast to {dtype}; "
-                        f"leave it out of dtypes (or keep it on the host with host_columns=[{name!r}])")
+        raise TypeError(
+            f"column {name!r} holds {v.dtype} values, which cannot be cast to {dtype}; "
+            f"leave it out of dtypes (or keep it on the host with host_columns=[{name!r}])"
+        )
     if dtype.kind in "iu" and v.dtype.kind == "f" and v.size:
         bad = ~np.isfinite(v)
         if bad.any():
-            raise ValueError(f"column {name!r}: {int(bad.sum())} value(s) of {v.dtype} are NaN or infinite and "
-                             f"have no {dtype} value (e.g. {v[bad].flat[0]})")
+            raise ValueError(
+                f"column {name!r}: {int(bad.sum())} value(s) of {v.dtype} are NaN or infinite and "
+                f"have no {dtype} value (e.g. {v[bad].flat[0]})"
+            )
     if dtype.kind in "iu" and v.dtype.kind in "iuf" and v.size:
         info = np.iinfo(dtype)
         lo, hi = v.min(), v.max()
         if lo < info.min or hi > info.max:
-            raise ValueError(f"column {name!r}: values from {lo} to {hi} do not fit {dtype} "
-                             f"[{info.min}, {info.max}]; cast to a wider dtype or keep it in host_columns")
+            raise ValueError(
+                f"column {name!r}: values from {lo} to {hi} do not fit {dtype} "
+                f"[{info.min}, {info.max}]; cast to a wider dtype or keep it in host_columns"
+            )
     with np.errstate(over="ignore", invalid="ignore"):  # checked just below
         out = v.astype(dtype, copy=False)
     if dtype.kind == "f" and v.dtype.kind == "f" and v.size and np.isinf(out).any() and np.isfinite(v).all():
-        raise ValueError(f"column {name!r}: values of {v.dtype} overflow {dtype} (largest magnitude "
-                         f"{np.abs(v).max()}); cast to a wider dtype")
+        raise ValueError(
+            f"column {name!r}: values of {v.dtype} overflow {dtype} (largest magnitude "
+            f"{np.abs(v).max()}); cast to a wider dtype"
+        )
     return out
 
 
@@ -96,15 +106,15 @@ def cast(batch: Batch, dtypes: Any, host_columns: Sequence[str]) -> Batch:
         if unknown:
             from rayslice._validate import fail
 
-            raise fail("dtypes", dict(dtypes), f"dtypes for columns of the data {sorted(batch)}; "
-                                                  f"unknown: {sorted(unknown)}")
+            raise fail(
+                "dtypes", dict(dtypes), f"dtypes for columns of the data {sorted(batch)}; unknown: {sorted(unknown)}"
+            )
         return {k: (_checked_astype(k, v, dtypes[k]) if k in dtypes else v) for k, v in batch.items()}
     return {k: (v if k in host_columns else _checked_astype(k, v, dtypes)) for k, v in batch.items()}
 
 
 def schema_of(batch: Batch) -> Schema:
-    return {k: [v.dtype.name if on_device(v.dtype) else v.dtype.str, list(v.shape[1:])]
-            for k, v in batch.items()}
+    return {k: [v.dtype.name if on_device(v.dtype) else v.dtype.str, list(v.shape[1:])] for k, v in batch.items()}
 
 
 def check_device_columns(batch: Batch, host_columns: Sequence[str]) -> None:
@@ -113,20 +123,26 @@ def check_device_columns(batch: Batch, host_columns: Sequence[str]) -> None:
         if k not in host_columns and not on_device(v.dtype):
             what = "strings" if v.dtype.kind in "SU" else f"{v.dtype} values"
             shown = ARRAY_KEY if k == ARRAY_KEY else repr(k)
-            raise TypeError(f"column {shown} holds {what}, which cannot go to devices; pass host_columns=[{k!r}] "
-                            f"to keep it next to each batch as numpy, or columns=[...] to leave it out")
+            raise TypeError(
+                f"column {shown} holds {what}, which cannot go to devices; pass host_columns=[{k!r}] "
+                f"to keep it next to each batch as numpy, or columns=[...] to leave it out"
+            )
 
 
 def check_same_layout(template: Batch, batch: Batch) -> None:
     """Every host batch must have the first batch's columns, dtypes and trailing shapes."""
     if set(batch) != set(template):
-        raise ValueError(f"a batch has columns {sorted(batch)} but the first had {sorted(template)}; "
-                         "every batch must have the same columns (select them with columns=[...])")
+        raise ValueError(
+            f"a batch has columns {sorted(batch)} but the first had {sorted(template)}; "
+            "every batch must have the same columns (select them with columns=[...])"
+        )
     for k, v in batch.items():
         t = template[k]
         if v.dtype != t.dtype or v.shape[1:] != t.shape[1:]:
-            raise ValueError(f"column {k!r} changed from {t.dtype}{list(t.shape[1:])} to "
-                             f"{v.dtype}{list(v.shape[1:])} between batches; cast it with dtypes={{{k!r}: ...}}")
+            raise ValueError(
+                f"column {k!r} changed from {t.dtype}{list(t.shape[1:])} to "
+                f"{v.dtype}{list(v.shape[1:])} between batches; cast it with dtypes={{{k!r}: ...}}"
+            )
 
 
 def pad_fill(pad_value: Any, column: str, dtype: np.dtype, host: bool) -> Any:
@@ -145,8 +161,10 @@ def pad_fill(pad_value: Any, column: str, dtype: np.dtype, host: bool) -> Any:
     except (TypeError, ValueError, OverflowError):
         fits = False
     if not fits:
-        raise ValueError(f"pad value {pad_value!r} does not fit column {column!r} of dtype {dtype}; "
-                         f"pass pad_value={{{column!r}: ...}} (Ray: paddings) with a value of that dtype")
+        raise ValueError(
+            f"pad value {pad_value!r} does not fit column {column!r} of dtype {dtype}; "
+            f"pass pad_value={{{column!r}: ...}} (Ray: paddings) with a value of that dtype"
+        )
     return pad_value
 
 
@@ -187,10 +205,14 @@ def compare_hosts(metas: Sequence[Mapping[str, Any]]) -> None:
     p0, s0 = known[0]
     for p, s in known[1:]:
         if set(s) != set(s0):
-            raise ValueError(f"hosts have different columns: host {p0}: {sorted(s0)}, host {p}: {sorted(s)} "
-                             f"(missing on host {p}: {sorted(set(s0) - set(s))}, extra: {sorted(set(s) - set(s0))}); "
-                             "select the same columns on every host with columns=[...]")
+            raise ValueError(
+                f"hosts have different columns: host {p0}: {sorted(s0)}, host {p}: {sorted(s)} "
+                f"(missing on host {p}: {sorted(set(s0) - set(s))}, extra: {sorted(set(s) - set(s0))}); "
+                "select the same columns on every host with columns=[...]"
+            )
         for col in sorted(s0):
             if s[col] != s0[col]:
-                raise ValueError(f"column {col!r} is {s0[col][0]}{s0[col][1]} on host {p0} but {s[col][0]}{s[col][1]} "
-                                 f"on host {p}; cast it the same way on every host with dtypes={{{col!r}: ...}}")
+                raise ValueError(
+                    f"column {col!r} is {s0[col][0]}{s0[col][1]} on host {p0} but {s[col][0]}{s[col][1]} "
+                    f"on host {p}; cast it the same way on every host with dtypes={{{col!r}: ...}}"
+                )

@@ -59,9 +59,7 @@ def to_numpy_batch(batch: Any, columns: Sequence[str] | None) -> Batch:
     elif type(batch).__module__.startswith("pyarrow"):
         out = _arrow_to_numpy(batch)
     else:
-        raise TypeError(
-            f"batches must be dict[str, np.ndarray] or pyarrow.Table, got {type(batch).__name__}"
-        )
+        raise TypeError(f"batches must be dict[str, np.ndarray] or pyarrow.Table, got {type(batch).__name__}")
     if columns is not None:
         missing = [c for c in columns if c not in out]
         if missing:
@@ -87,8 +85,10 @@ def _concat(parts: list[Batch]) -> Batch:
     first = set(parts[0])
     for p in parts[1:]:
         if set(p) != first:
-            raise ValueError(f"source batches have different columns: {sorted(first)} and {sorted(p)}; "
-                             "every batch must have the same columns (select them with columns=[...])")
+            raise ValueError(
+                f"source batches have different columns: {sorted(first)} and {sorted(p)}; "
+                "every batch must have the same columns (select them with columns=[...])"
+            )
     return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
 
 
@@ -125,7 +125,7 @@ def _assemble(parts: list[Batch], rows: int, alloc: Alloc) -> Batch:
         at = 0
         for p in parts:
             n = len(p[k])
-            buf[at:at + n] = p[k]
+            buf[at : at + n] = p[k]
             at += n
         out[k] = buf
     return out
@@ -142,8 +142,10 @@ def _rebatch(batches: Iterable[Batch], batch_size: int, skip_rows: int, alloc: A
         if keys is None:
             keys = set(b)
         elif set(b) != keys:
-            raise ValueError(f"source batches have different columns: {sorted(keys)} and {sorted(b)}; "
-                             "every batch must have the same columns (select them with columns=[...])")
+            raise ValueError(
+                f"source batches have different columns: {sorted(keys)} and {sorted(b)}; "
+                "every batch must have the same columns (select them with columns=[...])"
+            )
         n = _rows(b)
         start = 0
         if skip_rows:
@@ -151,11 +153,11 @@ def _rebatch(batches: Iterable[Batch], batch_size: int, skip_rows: int, alloc: A
             skip_rows -= start
         while start < n:
             if not have and n - start >= batch_size:  # a whole batch inside this block: a view
-                yield b if start == 0 and n == batch_size else {k: v[start:start + batch_size] for k, v in b.items()}
+                yield b if start == 0 and n == batch_size else {k: v[start : start + batch_size] for k, v in b.items()}
                 start += batch_size
                 continue
             take = min(batch_size - have, n - start)
-            parts.append({k: v[start:start + take] for k, v in b.items()})
+            parts.append({k: v[start : start + take] for k, v in b.items()})
             have += take
             start += take
             if have == batch_size:
@@ -170,11 +172,15 @@ def check_source(source: Any) -> None:
     if _is_ray_source(source):
         return
     if isinstance(source, Mapping) or type(source).__module__.startswith("pyarrow"):
-        raise TypeError("source must be an iterable of batches, a ray.data.Dataset or a DataIterator; "
-                        "got a single batch (wrap it in a list)")
+        raise TypeError(
+            "source must be an iterable of batches, a ray.data.Dataset or a DataIterator; "
+            "got a single batch (wrap it in a list)"
+        )
     if isinstance(source, np.ndarray | str | bytes) or not hasattr(source, "__iter__"):
-        raise TypeError(f"source must be a ray.data.Dataset, a DataIterator or an iterable of dict[str, np.ndarray] "
-                        f"/ pyarrow.Table batches; got {type(source).__name__} (e.g. pass [{{'x': array}}])")
+        raise TypeError(
+            f"source must be a ray.data.Dataset, a DataIterator or an iterable of dict[str, np.ndarray] "
+            f"/ pyarrow.Table batches; got {type(source).__name__} (e.g. pass [{{'x': array}}])"
+        )
 
 
 def host_batches(
@@ -211,9 +217,16 @@ def host_batches(
         if hasattr(ds, "context"):
             ds.context.execution_options.preserve_order = True
         fetch = batch_size * max(1, fetch_batches) if shuffle_buffer is not None else None
-        raw = iter(ds.iter_batches(batch_size=fetch, batch_format="numpy", drop_last=False,
-                                   prefetch_batches=ray_prefetch_batches, local_shuffle_buffer_size=shuffle_buffer,
-                                   local_shuffle_seed=shuffle_seed))
+        raw = iter(
+            ds.iter_batches(
+                batch_size=fetch,
+                batch_format="numpy",
+                drop_last=False,
+                prefetch_batches=ray_prefetch_batches,
+                local_shuffle_buffer_size=shuffle_buffer,
+                local_shuffle_seed=shuffle_seed,
+            )
+        )
         converted = (to_numpy_batch(b, columns) for b in raw)
         if skip_rows and fetch is not None:  # resuming: skip whole fetches without converting them
             whole, skip_rows = divmod(skip_rows, fetch)

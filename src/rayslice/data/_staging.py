@@ -43,7 +43,7 @@ def aligned_empty(shape: tuple[int, ...], dtype: np.dtype, align: int = ALIGN) -
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     raw = np.empty(nbytes + align, dtype=np.uint8)
     off = (-raw.ctypes.data) % align
-    return raw[off:off + nbytes].view(dtype).reshape(shape)
+    return raw[off : off + nbytes].view(dtype).reshape(shape)
 
 
 def is_aligned(a: np.ndarray, align: int = ALIGN) -> bool:

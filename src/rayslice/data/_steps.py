@@ -63,13 +63,18 @@ def decide(counts: Sequence[int], batch_size: int, ragged: Ragged, shards: int, 
         return Step.PAD
     if ragged is Ragged.RAISE:
         raise RaggedBatchError(
-            f"the last batch is partial: {_left(counts)} row(s) left for batch_size {batch_size}; {_FIX}")
+            f"the last batch is partial: {_left(counts)} row(s) left for batch_size {batch_size}; {_FIX}"
+        )
     if len(set(counts)) > 1:
-        raise RaggedBatchError(f"hosts hold different numbers of rows at the last batch ({_left(counts)}), "
-                               f"so it cannot be kept as one smaller global batch; {_FIX}")
+        raise RaggedBatchError(
+            f"hosts hold different numbers of rows at the last batch ({_left(counts)}), "
+            f"so it cannot be kept as one smaller global batch; {_FIX}"
+        )
     hosts = hosts or len(counts)
     rows = counts[0] * hosts
     if rows % shards:
-        raise RaggedBatchError(f"the last batch has {rows} row(s) over {hosts} host(s), which do not split "
-                               f"evenly over the {shards} devices that split the batch; {_FIX}")
+        raise RaggedBatchError(
+            f"the last batch has {rows} row(s) over {hosts} host(s), which do not split "
+            f"evenly over the {shards} devices that split the batch; {_FIX}"
+        )
     return Step.KEEP

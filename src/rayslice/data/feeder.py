@@ -82,12 +82,15 @@ class _Feeder:
         st = check_state(state)
         o = self.options = options
         if st["rows"] and o.local_shuffle_buffer_size is not None and o.local_shuffle_seed is None:
-            raise fail("state", state, "None for a stream shuffled without local_shuffle_seed "
-                                       "(pass a seed to resume a shuffled stream exactly)")
+            raise fail(
+                "state",
+                state,
+                "None for a stream shuffled without local_shuffle_seed "
+                "(pass a seed to resume a shuffled stream exactly)",
+            )
         self.host_columns = frozenset(o.host_columns)
         self.process_count = jax.process_count()
-        self.sharding, self.shards = batch_sharding(o.sharding or default_sharding(), o.batch_size,
-                                                    self.process_count)
+        self.sharding, self.shards = batch_sharding(o.sharding or default_sharding(), o.batch_size, self.process_count)
         local = sorted(self.sharding.addressable_devices, key=lambda d: d.id)
         self.platform = local[0].platform
         self.pipeline = o.pipeline if o.pipeline != "auto" else ("sync" if self.platform == "cpu" else "thread")
@@ -97,8 +100,11 @@ class _Feeder:
             threads = min(8, len(local)) if self.platform != "cpu" and len(local) > 1 else 0
         # Per-device transfers from a pool; a multi-process batch goes through JAX's own assembly.
         self.transfer_threads = threads if self.process_count == 1 and len(local) > 1 else 0
-        self._pool = ThreadPoolExecutor(self.transfer_threads, thread_name_prefix="rayslice-h2d") \
-            if self.transfer_threads else None
+        self._pool = (
+            ThreadPoolExecutor(self.transfer_threads, thread_name_prefix="rayslice-h2d")
+            if self.transfer_threads
+            else None
+        )
         self._index_maps: dict[tuple, list] = {}
         # Where a transfer must copy the host batch (accelerators), staging buffers are reused
         # once their device copy is done; CPU devices may alias them (for any memory kind),
@@ -112,9 +118,15 @@ class _Feeder:
         self._fills: dict[str, Any] = {}
         self._full_mask: Any = None
         self._source_done = False
-        self._source = host_batches(source, o.batch_size, columns=o.columns, skip_rows=self._rows,
-                                    shuffle_buffer=o.local_shuffle_buffer_size, shuffle_seed=o.local_shuffle_seed,
-                                    alloc=self._ring.alloc if self._ring is not None else aligned_empty)
+        self._source = host_batches(
+            source,
+            o.batch_size,
+            columns=o.columns,
+            skip_rows=self._rows,
+            shuffle_buffer=o.local_shuffle_buffer_size,
+            shuffle_seed=o.local_shuffle_seed,
+            alloc=self._ring.alloc if self._ring is not None else aligned_empty,
+        )
         self._gen = self._generate()
         self._queue: queue.Queue = queue.Queue(maxsize=o.prefetch)
         self._stop = threading.Event()
@@ -132,8 +144,12 @@ class _Feeder:
             kinds = set()
         if "pinned_host" not in kinds:
             if staging == "pinned":
-                raise fail("staging", staging, f"'auto' or 'pageable': {self.platform} devices have no pinned_host "
-                                               f"memory (they have {sorted(kinds) or 'none listed'})")
+                raise fail(
+                    "staging",
+                    staging,
+                    f"'auto' or 'pageable': {self.platform} devices have no pinned_host "
+                    f"memory (they have {sorted(kinds) or 'none listed'})",
+                )
             return None
         if staging == "auto" and self.platform == "cpu":
             return None  # host memory is device memory there: staging would only add a copy
@@ -157,10 +173,14 @@ class _Feeder:
             key = v.shape
             if key not in self._index_maps:
                 self._index_maps[key] = list(self.sharding.addressable_devices_indices_map(v.shape).items())
-            jobs[k] = [self._pool.submit(self._put_one, v[idx], d)  # type: ignore[union-attr]
-                       for d, idx in self._index_maps[key]]
-        return {k: jax.make_array_from_single_device_arrays(dev[k].shape, self.sharding, [f.result() for f in fs])
-                for k, fs in jobs.items()}
+            jobs[k] = [
+                self._pool.submit(self._put_one, v[idx], d)  # type: ignore[union-attr]
+                for d, idx in self._index_maps[key]
+            ]
+        return {
+            k: jax.make_array_from_single_device_arrays(dev[k].shape, self.sharding, [f.result() for f in fs])
+            for k, fs in jobs.items()
+        }
 
     def _to_global(self, batch: Batch, rows: int) -> dict[str, Any]:
         import jax
@@ -191,13 +211,16 @@ class _Feeder:
         cols.check_device_columns(template, o.host_columns)
         if o.ragged is Ragged.PAD and o.mask_key is not None:
             if cols.ARRAY_KEY in template:
-                raise TypeError("collate_fn returned one array, but ragged='pad' adds a mask to every batch; "
-                                "return a dict from collate_fn, or pass mask_key=None")
+                raise TypeError(
+                    "collate_fn returned one array, but ragged='pad' adds a mask to every batch; "
+                    "return a dict from collate_fn, or pass mask_key=None"
+                )
             if o.mask_key in template:
                 raise ValueError(f"column {o.mask_key!r} clashes with the pad mask; pass mask_key=")
         if o.ragged is Ragged.PAD:
-            self._fills = {k: cols.pad_fill(o.pad_value, k, v.dtype, k in self.host_columns)
-                           for k, v in template.items()}
+            self._fills = {
+                k: cols.pad_fill(o.pad_value, k, v.dtype, k in self.host_columns) for k, v in template.items()
+            }
         self._template = {k: v[:0] for k, v in template.items()}
 
     def _prepare(self, local: Batch) -> Batch:
@@ -231,8 +254,14 @@ class _Feeder:
     def _handshake(self) -> None:
         o = self.options
         schema = cols.schema_of(self._template) if self._template is not None else None
-        meta = {"batch_size": o.batch_size, "ragged": o.ragged.value, "mask_key": o.mask_key,
-                "agree_window": o.agree_window, "host_columns": sorted(o.host_columns), "schema": schema}
+        meta = {
+            "batch_size": o.batch_size,
+            "ragged": o.ragged.value,
+            "mask_key": o.mask_key,
+            "agree_window": o.agree_window,
+            "host_columns": sorted(o.host_columns),
+            "schema": schema,
+        }
         metas = self._agreement.handshake(meta)  # type: ignore[union-attr]
         cols.compare_hosts(metas)
         if self._template is None:  # this host's shard is empty: learn the layout from a host with rows
@@ -253,8 +282,10 @@ class _Feeder:
             return out
         # pad: every host pads (a host with no rows sends an all-padding batch)
         if self._template is None:
-            raise ValueError("this host's shard is empty and hosts do not agree (agree=False / "
-                             "synchronize_batches=False), so it has no column layout to pad with; leave agree on")
+            raise ValueError(
+                "this host's shard is empty and hosts do not agree (agree=False / "
+                "synchronize_batches=False), so it has no column layout to pad with; leave agree on"
+            )
         padded, mask = cols.pad(local, o.batch_size, self._fills, self._template)
         out = self._to_global(padded, o.batch_size)
         if o.mask_key is not None:
@@ -281,8 +312,13 @@ class _Feeder:
                 per_step = self._agreement.exchange(step, mine, window) if self._agreement else [mine or [0]]
                 agreed.update({step + j: c for j, c in enumerate(per_step)})
             counts = agreed.pop(step)
-            action = decide(counts, o.batch_size, o.ragged, self.shards,
-                            hosts=len(counts) if self._agreement else self.process_count)
+            action = decide(
+                counts,
+                o.batch_size,
+                o.ragged,
+                self.shards,
+                hosts=len(counts) if self._agreement else self.process_count,
+            )
             n = counts[self._process]
             local = pending.popleft() if n else None
             if action is Step.END:
@@ -368,8 +404,14 @@ class JaxBatchIterator(Iterator[Any]):
         state: A previous iterator's ``state()`` to resume after.
     """
 
-    def __init__(self, source: Any, options: FeederOptions | None = None, *, state: Mapping[str, Any] | None = None,
-                 **kwargs: Any) -> None:
+    def __init__(
+        self,
+        source: Any,
+        options: FeederOptions | None = None,
+        *,
+        state: Mapping[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
         if options is None:
             options = build_options(**kwargs)
         elif kwargs:
@@ -506,13 +548,30 @@ def iter_jax_batches(
         >>> b["x"].shape, str(b["x"].dtype)
         ((8, 3), 'float32')
     """
-    given = dict(batch_size=batch_size, sharding=sharding, ragged=ragged, pad_value=pad_value, prefetch=prefetch,
-                 pipeline=pipeline, staging=staging, transfer_threads=transfer_threads,
-                 dtypes=dtypes, columns=columns, host_columns=host_columns, mask_key=mask_key, agree=agree,
-                 agreement_timeout_s=agreement_timeout_s, agree_window=agree_window, drop_last=drop_last,
-                 paddings=paddings, prefetch_batches=prefetch_batches, collate_fn=collate_fn,
-                 synchronize_batches=synchronize_batches, local_shuffle_buffer_size=local_shuffle_buffer_size,
-                 local_shuffle_seed=local_shuffle_seed)
+    given = dict(
+        batch_size=batch_size,
+        sharding=sharding,
+        ragged=ragged,
+        pad_value=pad_value,
+        prefetch=prefetch,
+        pipeline=pipeline,
+        staging=staging,
+        transfer_threads=transfer_threads,
+        dtypes=dtypes,
+        columns=columns,
+        host_columns=host_columns,
+        mask_key=mask_key,
+        agree=agree,
+        agreement_timeout_s=agreement_timeout_s,
+        agree_window=agree_window,
+        drop_last=drop_last,
+        paddings=paddings,
+        prefetch_batches=prefetch_batches,
+        collate_fn=collate_fn,
+        synchronize_batches=synchronize_batches,
+        local_shuffle_buffer_size=local_shuffle_buffer_size,
+        local_shuffle_seed=local_shuffle_seed,
+    )
     if options is not None:
         extra = {k: v for k, v in given.items() if v is not None}
         return JaxBatchIterator(source, options, state=state, **extra)

@@ -42,11 +42,15 @@ from rayslice._validate import (
 
 __all__ = ["FeederOptions", "Ragged", "RaggedBatchError", "build_options", "check_state"]
 
+
 def on_device(dtype: np.dtype) -> bool:
     """Whether devices can hold ``dtype``: numbers and bools (incl. ml_dtypes' bfloat16 & co.), not
     strings, objects, datetimes or records."""
-    return dtype.kind in "biufc" or type(dtype).__module__.startswith("ml_dtypes") or \
-        getattr(dtype.type, "__module__", "").startswith("ml_dtypes")
+    return (
+        dtype.kind in "biufc"
+        or type(dtype).__module__.startswith("ml_dtypes")
+        or getattr(dtype.type, "__module__", "").startswith("ml_dtypes")
+    )
 
 
 class RaggedBatchError(ValueError):
@@ -234,33 +238,53 @@ class FeederOptions:
         put(self, "prefetch", check_int("prefetch", self.prefetch, minimum=1, maximum=1024))
         put(self, "pipeline", check_choice("pipeline", self.pipeline, PIPELINES))
         put(self, "staging", check_choice("staging", self.staging, STAGINGS))
-        put(self, "transfer_threads",
-            check_optional(check_int, "transfer_threads", self.transfer_threads, minimum=0, maximum=64))
+        put(
+            self,
+            "transfer_threads",
+            check_optional(check_int, "transfer_threads", self.transfer_threads, minimum=0, maximum=64),
+        )
         put(self, "dtypes", _check_dtypes(self.dtypes))
         put(self, "columns", check_optional(check_str_list, "columns", self.columns))
         put(self, "host_columns", check_str_list("host_columns", self.host_columns))
         put(self, "collate_fn", check_optional(check_callable, "collate_fn", self.collate_fn))
-        put(self, "local_shuffle_buffer_size",
-            check_optional(check_int, "local_shuffle_buffer_size", self.local_shuffle_buffer_size, minimum=1))
-        put(self, "local_shuffle_seed",
-            check_optional(check_int, "local_shuffle_seed", self.local_shuffle_seed, minimum=0, maximum=2**63 - 1))
+        put(
+            self,
+            "local_shuffle_buffer_size",
+            check_optional(check_int, "local_shuffle_buffer_size", self.local_shuffle_buffer_size, minimum=1),
+        )
+        put(
+            self,
+            "local_shuffle_seed",
+            check_optional(check_int, "local_shuffle_seed", self.local_shuffle_seed, minimum=0, maximum=2**63 - 1),
+        )
         put(self, "agree", check_optional(check_bool, "agree", self.agree))
-        put(self, "agreement_timeout_s",
-            check_float("agreement_timeout_s", self.agreement_timeout_s, minimum=0, exclusive_min=True))
+        put(
+            self,
+            "agreement_timeout_s",
+            check_float("agreement_timeout_s", self.agreement_timeout_s, minimum=0, exclusive_min=True),
+        )
         put(self, "agree_window", check_int("agree_window", self.agree_window, minimum=1, maximum=4096))
         self._check_combinations()
 
     def _check_combinations(self) -> None:
         if self.local_shuffle_seed is not None and self.local_shuffle_buffer_size is None:
-            raise fail("local_shuffle_seed", self.local_shuffle_seed,
-                       "None unless local_shuffle_buffer_size is set (it seeds that shuffle)")
+            raise fail(
+                "local_shuffle_seed",
+                self.local_shuffle_seed,
+                "None unless local_shuffle_buffer_size is set (it seeds that shuffle)",
+            )
         named = set(self.columns) if self.columns is not None else None
-        for what, keys in (("host_columns", self.host_columns),
-                           ("dtypes", self.dtypes if isinstance(self.dtypes, Mapping) else ()),
-                           ("pad_value", self.pad_value if isinstance(self.pad_value, Mapping) else ())):
+        for what, keys in (
+            ("host_columns", self.host_columns),
+            ("dtypes", self.dtypes if isinstance(self.dtypes, Mapping) else ()),
+            ("pad_value", self.pad_value if isinstance(self.pad_value, Mapping) else ()),
+        ):
             if named is not None and set(keys) - named:
-                raise fail(what, list(keys) if what != "host_columns" else self.host_columns,
-                           f"columns among columns={list(self.columns or ())}; unknown: {sorted(set(keys) - named)}")
+                raise fail(
+                    what,
+                    list(keys) if what != "host_columns" else self.host_columns,
+                    f"columns among columns={list(self.columns or ())}; unknown: {sorted(set(keys) - named)}",
+                )
         clash = self.mask_key in self.host_columns or (named is not None and self.mask_key in named)
         if self.mask_key is not None and self.ragged is Ragged.PAD and clash:
             raise fail("mask_key", self.mask_key, "a name that is not also a data column")
@@ -291,10 +315,12 @@ def check_state(state: object) -> dict[str, Any]:
     version = state.get("version", 1)
     if type(version) is not int or version != 1:  # 1.0 and True are not the format number
         raise fail("state['version']", state.get("version"), "1 (the only state format)")
-    return {"version": 1,
-            "batches": check_int("state['batches']", state.get("batches", 0), minimum=0),
-            "rows": check_int("state['rows']", state.get("rows", 0), minimum=0),
-            "finished": check_bool("state['finished']", state.get("finished", False))}
+    return {
+        "version": 1,
+        "batches": check_int("state['batches']", state.get("batches", 0), minimum=0),
+        "rows": check_int("state['rows']", state.get("rows", 0), minimum=0),
+        "finished": check_bool("state['finished']", state.get("finished", False)),
+    }
 
 
 def _one_of(name: str, value: Any, ray_name: str, ray_value: Any) -> Any:
@@ -306,13 +332,27 @@ def _one_of(name: str, value: Any, ray_name: str, ray_value: Any) -> Any:
 
 def build_options(
     *,
-    batch_size: int | None = None, ragged: Ragged | str | None = None, pad_value: Any = None,
-    mask_key: str | None = None, sharding: Any = None, prefetch: int | None = None, pipeline: str | None = None,
-    staging: str | None = None, transfer_threads: int | None = None, dtypes: Any = None,
-    columns: Any = None, host_columns: Any = None, collate_fn: Callable[[Any], Any] | None = None,
-    local_shuffle_buffer_size: int | None = None, local_shuffle_seed: int | None = None, agree: bool | None = None,
-    agreement_timeout_s: float | None = None, agree_window: int | None = None,
-    drop_last: bool | None = None, paddings: Any = None, prefetch_batches: int | None = None,
+    batch_size: int | None = None,
+    ragged: Ragged | str | None = None,
+    pad_value: Any = None,
+    mask_key: str | None = None,
+    sharding: Any = None,
+    prefetch: int | None = None,
+    pipeline: str | None = None,
+    staging: str | None = None,
+    transfer_threads: int | None = None,
+    dtypes: Any = None,
+    columns: Any = None,
+    host_columns: Any = None,
+    collate_fn: Callable[[Any], Any] | None = None,
+    local_shuffle_buffer_size: int | None = None,
+    local_shuffle_seed: int | None = None,
+    agree: bool | None = None,
+    agreement_timeout_s: float | None = None,
+    agree_window: int | None = None,
+    drop_last: bool | None = None,
+    paddings: Any = None,
+    prefetch_batches: int | None = None,
     synchronize_batches: bool | None = None,
 ) -> FeederOptions:
     """One :class:`FeederOptions` from :func:`iter_jax_batches`'s keywords (None: not given).
@@ -355,22 +395,41 @@ def build_options(
         raise fail("drop_last", drop_last, f"False or left out when ragged={policy.value!r}")
     if paddings is not None and not drop_last and policy not in (None, Ragged.PAD):
         raise fail("paddings", paddings, f"None when ragged={policy.value!r} (paddings means ragged='pad')")
-    ray_style = any(v is not None for v in (drop_last, paddings, prefetch_batches, collate_fn, synchronize_batches,
-                                            local_shuffle_buffer_size, local_shuffle_seed))
+    ray_style = any(
+        v is not None
+        for v in (
+            drop_last,
+            paddings,
+            prefetch_batches,
+            collate_fn,
+            synchronize_batches,
+            local_shuffle_buffer_size,
+            local_shuffle_seed,
+        )
+    )
     if drop_last:  # as in Ray, dropping wins over paddings
         policy, paddings = Ragged.DROP, None
     fill = _one_of("pad_value", pad_value, "paddings", paddings)
     if policy is None:
-        policy = (Ragged.PAD if fill is not None else Ragged.KEEP if ray_style else Ragged.RAISE)
+        policy = Ragged.PAD if fill is not None else Ragged.KEEP if ray_style else Ragged.RAISE
     if mask_key is None and not (paddings is not None and pad_value is None and ragged is None):
         mask_key = "mask"  # Ray's paddings alone yield no mask, like Ray; rayslice's spelling always has one
     given = {
-        "batch_size": batch_size, "pad_value": fill, "sharding": sharding,
-        "prefetch": _one_of("prefetch", prefetch, "prefetch_batches", prefetch_alias), "dtypes": dtypes,
-        "pipeline": pipeline, "staging": staging, "transfer_threads": transfer_threads,
-        "columns": columns, "host_columns": host_columns, "collate_fn": collate_fn,
-        "local_shuffle_buffer_size": local_shuffle_buffer_size, "local_shuffle_seed": local_shuffle_seed,
+        "batch_size": batch_size,
+        "pad_value": fill,
+        "sharding": sharding,
+        "prefetch": _one_of("prefetch", prefetch, "prefetch_batches", prefetch_alias),
+        "dtypes": dtypes,
+        "pipeline": pipeline,
+        "staging": staging,
+        "transfer_threads": transfer_threads,
+        "columns": columns,
+        "host_columns": host_columns,
+        "collate_fn": collate_fn,
+        "local_shuffle_buffer_size": local_shuffle_buffer_size,
+        "local_shuffle_seed": local_shuffle_seed,
         "agree": _one_of("agree", agree, "synchronize_batches", synchronize_batches),
-        "agreement_timeout_s": agreement_timeout_s, "agree_window": agree_window,
+        "agreement_timeout_s": agreement_timeout_s,
+        "agree_window": agree_window,
     }
     return FeederOptions(ragged=policy, mask_key=mask_key, **{k: v for k, v in given.items() if v is not None})

@@ -59,7 +59,7 @@ def local_rows(arr: Any, ranges: Sequence[tuple[int, int]]) -> np.ndarray:
     for lo, hi in ranges:
         for start, stop, s in shards:
             if start <= lo and hi <= stop:
-                pieces.append(np.asarray(s.data)[lo - start:hi - start])
+                pieces.append(np.asarray(s.data)[lo - start : hi - start])
                 break
         else:
             raise ValueError(f"rows {lo}:{hi} are not addressable on this host for sharding {arr.sharding}")
@@ -103,8 +103,15 @@ def _to_arrow(columns: dict[str, np.ndarray]) -> Any:
     return pa.table(arrays)
 
 
-def _host_predict(shard: Any, predict_fn: Callable, setup: Callable | None, options: FeederOptions,
-                  input_columns: Sequence[str] | None, keep: Sequence[str] | None, output_column: str) -> Any:
+def _host_predict(
+    shard: Any,
+    predict_fn: Callable,
+    setup: Callable | None,
+    options: FeederOptions,
+    input_columns: Sequence[str] | None,
+    keep: Sequence[str] | None,
+    output_column: str,
+) -> Any:
     import jax
 
     from rayslice.data.feeder import iter_jax_batches
@@ -122,8 +129,10 @@ def _host_predict(shard: Any, predict_fn: Callable, setup: Callable | None, opti
             outs = out if isinstance(out, dict) else {output_column: out}
             ranges = _own_ranges(mask)
             real = local_rows(mask, ranges)
-            kept = {k: (batch[k] if isinstance(batch[k], np.ndarray) else local_rows(batch[k], ranges))
-                    for k in (keep if keep is not None else batch)}
+            kept = {
+                k: (batch[k] if isinstance(batch[k], np.ndarray) else local_rows(batch[k], ranges))
+                for k in (keep if keep is not None else batch)
+            }
             for k, v in {**kept, **{k: local_rows(v, ranges) for k, v in outs.items()}}.items():
                 parts.setdefault(k, []).append(v[real])
     if not parts:
@@ -132,13 +141,19 @@ def _host_predict(shard: Any, predict_fn: Callable, setup: Callable | None, opti
     return table.num_rows, table
 
 
-def _feeder_options(batch_size: int, dtypes: Any, input_columns: tuple[str, ...] | None,
-                    keep: tuple[str, ...] | None) -> FeederOptions:
+def _feeder_options(
+    batch_size: int, dtypes: Any, input_columns: tuple[str, ...] | None, keep: tuple[str, ...] | None
+) -> FeederOptions:
     # Kept columns ride along on the host (exact ids, any dtype); only inputs go to devices.
     columns = None if input_columns is None or keep is None else tuple(dict.fromkeys([*input_columns, *keep]))
-    return FeederOptions(batch_size=batch_size, ragged=Ragged.PAD, dtypes=dtypes, columns=columns,
-                         host_columns=tuple(k for k in (keep or ()) if k not in (input_columns or ())),
-                         mask_key="__rayslice_mask")
+    return FeederOptions(
+        batch_size=batch_size,
+        ragged=Ragged.PAD,
+        dtypes=dtypes,
+        columns=columns,
+        host_columns=tuple(k for k in (keep or ()) if k not in (input_columns or ())),
+        mask_key="__rayslice_mask",
+    )
 
 
 def batch_predict(
@@ -213,28 +228,44 @@ def batch_predict(
     except (TypeError, ValueError):
         arity = 1
     if setup is None and arity == 2:
-        raise fail("setup", setup, "a function whose result is passed as predict_fn's state: predict_fn "
-                                   "takes (state, batch)")
+        raise fail(
+            "setup", setup, "a function whose result is passed as predict_fn's state: predict_fn takes (state, batch)"
+        )
     if tpu_slice is not None:
         check_instance("tpu_slice", tpu_slice, SlicePlacementGroup, "a SlicePlacementGroup you hold")
-        for name, value in (("topology", topology), ("accelerator_type", accelerator_type),
-                            ("num_slices", num_slices), ("chips_per_host", chips_per_host)):
+        for name, value in (
+            ("topology", topology),
+            ("accelerator_type", accelerator_type),
+            ("num_slices", num_slices),
+            ("chips_per_host", chips_per_host),
+        ):
             if value is not None:
                 raise fail(name, value, "left out when tpu_slice= is given (the held slice fixes it)")
         if tpu_slice.released:
             raise fail("tpu_slice", tpu_slice, "a reservation that is still held (this one was released)")
         return _predict_on(tpu_slice, dataset, predict_fn, setup, options, inputs, keep, output_column, timeout_s)
     if topology is None:
-        raise fail("topology", topology, "a slice shape such as '2x2x2' (with accelerator_type), a Topology or "
-                                         "a SliceRequest; or pass tpu_slice=")
+        raise fail(
+            "topology",
+            topology,
+            "a slice shape such as '2x2x2' (with accelerator_type), a Topology or a SliceRequest; or pass tpu_slice=",
+        )
     request = SliceRequest.parse(topology, accelerator_type, num_slices=num_slices, chips_per_host=chips_per_host)
     with slice_placement_group(request, timeout_s=reservation_timeout_s) as spg:
         return _predict_on(spg, dataset, predict_fn, setup, options, inputs, keep, output_column, timeout_s)
 
 
-def _predict_on(spg: Any, dataset: Any, predict_fn: Callable, setup: Callable | None, options: FeederOptions,
-                inputs: tuple[str, ...] | None, keep: tuple[str, ...] | None, output_column: str,
-                timeout_s: float) -> Any:
+def _predict_on(
+    spg: Any,
+    dataset: Any,
+    predict_fn: Callable,
+    setup: Callable | None,
+    options: FeederOptions,
+    inputs: tuple[str, ...] | None,
+    keep: tuple[str, ...] | None,
+    output_column: str,
+    timeout_s: float,
+) -> Any:
     import ray
 
     from rayslice.gang import SliceGang

@@ -16,5 +16,18 @@ from rayslice.serve.deployment import DeploymentFailed, deployment, failure_reas
 from rayslice.serve.replica import http_status
 from rayslice.serve.schema import ColumnSpec, InputSpec, RequestError
 
-__all__ = ["ColumnSpec", "DeploymentFailed", "InputSpec", "RequestError", "SliceServeConfig", "app", "build",
-           "deployment", "failure_reason", "http_status", "parse_accelerator_config", "run", "start_http"]
+__all__ = [
+    "ColumnSpec",
+    "DeploymentFailed",
+    "InputSpec",
+    "RequestError",
+    "SliceServeConfig",
+    "app",
+    "build",
+    "deployment",
+    "failure_reason",
+    "http_status",
+    "parse_accelerator_config",
+    "run",
+    "start_http",
+]

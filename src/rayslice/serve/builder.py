@@ -45,8 +45,9 @@ def _import(path: object) -> Any:
     try:
         return getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as e:
-        raise fail("args['model']", path, f"an importable 'package.module:ClassName' ({type(e).__name__}: {e})") \
-            from None
+        raise fail(
+            "args['model']", path, f"an importable 'package.module:ClassName' ({type(e).__name__}: {e})"
+        ) from None
 
 
 def build(args: Mapping[str, Any]) -> Any:
@@ -60,8 +61,13 @@ def build(args: Mapping[str, Any]) -> Any:
     args = dict(args)
     missing = [k for k in ("model", "accelerator_type", "accelerator_config") if k not in args]
     if missing:
-        raise fail("args", args, "the keys 'model', 'accelerator_type' and 'accelerator_config' (missing "
-                                 + ", ".join(map(repr, missing)) + ")")
+        raise fail(
+            "args",
+            args,
+            "the keys 'model', 'accelerator_type' and 'accelerator_config' (missing "
+            + ", ".join(map(repr, missing))
+            + ")",
+        )
     model = _import(args.pop("model"))
     init_args = args.pop("init_args", ())
     if isinstance(init_args, str | bytes | Mapping) or not isinstance(init_args, Sequence):

@@ -39,16 +39,23 @@ def _as_mapping(accelerator_config: object) -> dict[str, Any]:
     hint = ""
     if isinstance(accelerator_config, str):
         hint = f" (e.g. {{'kind': 'tpu', 'topology': {accelerator_config!r}}})"
-    raise fail("accelerator_config", accelerator_config,
-               f"a mapping such as {{'kind': 'tpu', 'topology': '2x2x2'}}{hint}", got_type=True)
+    raise fail(
+        "accelerator_config",
+        accelerator_config,
+        f"a mapping such as {{'kind': 'tpu', 'topology': '2x2x2'}}{hint}",
+        got_type=True,
+    )
 
 
 def _one_of(cfg: dict[str, Any], keys: tuple[str, str]) -> Any:
     """The value under either spelling of one key; both spellings must agree (strings in any case)."""
     given = {k: cfg.pop(k) for k in keys if k in cfg}
     if len({repr(v.strip().lower() if isinstance(v, str) else v) for v in given.values()}) > 1:
-        raise fail(f"accelerator_config[{keys[0]!r}]", given,
-                   f"one of {keys[0]!r} or {keys[1]!r} (they mean the same), or equal values")
+        raise fail(
+            f"accelerator_config[{keys[0]!r}]",
+            given,
+            f"one of {keys[0]!r} or {keys[1]!r} (they mean the same), or equal values",
+        )
     return next(iter(given.values()), None)
 
 
@@ -76,21 +83,26 @@ def parse_accelerator_config(accelerator_type: str | None, accelerator_config: o
     kind = _one_of(cfg, _KIND_KEYS)
     kind = "tpu" if kind is None else kind
     if not isinstance(kind, str) or kind.strip().lower() != "tpu":
-        raise fail("accelerator_config['kind']", kind,
-                   f"'tpu' (accelerator_config type {kind!r} is not supported; valid: tpu)")
+        raise fail(
+            "accelerator_config['kind']", kind, f"'tpu' (accelerator_config type {kind!r} is not supported; valid: tpu)"
+        )
     topology = cfg.pop("topology", None)
     if topology is None:
-        raise fail("accelerator_config", dict(accelerator_config) if isinstance(accelerator_config, Mapping)
-                   else accelerator_config,
-                   "a 'topology' (accelerator_config needs a 'topology': one replica owns one whole slice), "
-                   "e.g. {'kind': 'tpu', 'topology': '2x2x2'}")
+        raise fail(
+            "accelerator_config",
+            dict(accelerator_config) if isinstance(accelerator_config, Mapping) else accelerator_config,
+            "a 'topology' (accelerator_config needs a 'topology': one replica owns one whole slice), "
+            "e.g. {'kind': 'tpu', 'topology': '2x2x2'}",
+        )
     if not isinstance(topology, str | Topology):
-        raise fail("accelerator_config['topology']", topology, "a shape string such as '2x2x2' or '4x4'",
-                   got_type=True)
+        raise fail("accelerator_config['topology']", topology, "a shape string such as '2x2x2' or '4x4'", got_type=True)
     chips = check_optional(check_int, "accelerator_config['chips_per_host']", _one_of(cfg, _CHIPS_KEYS), minimum=1)
     if cfg:
-        raise fail("accelerator_config", sorted(cfg),
-                   "only the keys kind (or type), topology, chips_per_host (or chips_per_vm); unknown keys")
+        raise fail(
+            "accelerator_config",
+            sorted(cfg),
+            "only the keys kind (or type), topology, chips_per_host (or chips_per_vm); unknown keys",
+        )
     if accelerator_type is not None:
         check_str("accelerator_type", accelerator_type)
     elif not isinstance(topology, Topology):
@@ -151,15 +163,19 @@ class SliceServeConfig:
         check_optional(check_str, "accelerator_type", self.accelerator_type)
         check_optional(check_int, "chips_per_host", self.chips_per_host, minimum=1)
         if not isinstance(self.topology, str | Topology | SliceRequest):
-            raise fail("topology", self.topology, "a shape string such as '2x2x2', a Topology or a SliceRequest",
-                       got_type=True)
+            raise fail(
+                "topology", self.topology, "a shape string such as '2x2x2', a Topology or a SliceRequest", got_type=True
+            )
         for name in ("reservation_timeout_s", "init_timeout_s", "request_timeout_s", "body_timeout_s"):
             check_float(name, getattr(self, name), minimum=0, exclusive_min=True, maximum=7 * 24 * 3600)
         set_ = object.__setattr__
         set_(self, "max_batch_size", check_int("max_batch_size", self.max_batch_size, minimum=1, maximum=1 << 16))
         set_(self, "max_body_bytes", check_int("max_body_bytes", self.max_body_bytes, minimum=1, maximum=1 << 34))
-        set_(self, "batch_wait_timeout_s",
-             check_float("batch_wait_timeout_s", self.batch_wait_timeout_s, minimum=0, maximum=60))
+        set_(
+            self,
+            "batch_wait_timeout_s",
+            check_float("batch_wait_timeout_s", self.batch_wait_timeout_s, minimum=0, maximum=60),
+        )
         if self.input_spec is not None and not isinstance(self.input_spec, InputSpec):
             set_(self, "input_spec", InputSpec.parse(self.input_spec, max_rows=self.max_batch_size))
         try:
@@ -176,8 +192,9 @@ class SliceServeConfig:
         return self.request.topology
 
     @classmethod
-    def from_accelerator_config(cls, accelerator_type: str | None, accelerator_config: object,
-                                **kwargs: Any) -> SliceServeConfig:
+    def from_accelerator_config(
+        cls, accelerator_type: str | None, accelerator_config: object, **kwargs: Any
+    ) -> SliceServeConfig:
         """From Serve-style ``accelerator_config={"kind": "tpu", "topology": "2x2x2"}`` (see
         :func:`parse_accelerator_config`); ``kwargs`` are the other fields.
 
@@ -187,4 +204,3 @@ class SliceServeConfig:
         """
         request = parse_accelerator_config(accelerator_type, accelerator_config)
         return cls(None, request, **kwargs)
-

@@ -48,8 +48,16 @@ from rayslice.serve.schema import InputSpec
 
 _ReplicaCore = ReplicaCore  # the name this module used before the replica moved to rayslice.serve.replica
 
-__all__ = ["DeploymentFailed", "SliceServeConfig", "deployment", "failure_reason", "http_status",
-           "parse_accelerator_config", "run", "start_http"]
+__all__ = [
+    "DeploymentFailed",
+    "SliceServeConfig",
+    "deployment",
+    "failure_reason",
+    "http_status",
+    "parse_accelerator_config",
+    "run",
+    "start_http",
+]
 
 
 def start_http(port: int | None = None, host: str = "127.0.0.1") -> int:
@@ -85,8 +93,7 @@ def start_http(port: int | None = None, host: str = "127.0.0.1") -> int:
 
 def _check_model_class(cls: object) -> type:
     if not inspect.isclass(cls):
-        raise fail("model", cls, "a class with __call__(self, batch) (and optionally setup(self, ctx))",
-                   got_type=True)
+        raise fail("model", cls, "a class with __call__(self, batch) (and optionally setup(self, ctx))", got_type=True)
     defined = [vars(k)["__call__"] for k in cls.__mro__ if k is not object and "__call__" in vars(k)]
     if not defined:
         raise fail("model", cls, f"a class that defines __call__(self, batch); {cls.__name__} does not")
@@ -98,11 +105,21 @@ def _check_model_class(cls: object) -> type:
     return cls
 
 
-def deployment(_cls: type | None = None, *, accelerator_type: str, accelerator_config: Mapping[str, Any],
-               input_spec: Mapping[str, Any] | InputSpec | None = None, reservation_timeout_s: float = 60.0,
-               init_timeout_s: float = 120.0, request_timeout_s: float = 30.0, body_timeout_s: float = 10.0,
-               max_batch_size: int = 32, batch_wait_timeout_s: float = 0.002, max_body_bytes: int = 1 << 20,
-               **serve_options: Any) -> Any:
+def deployment(
+    _cls: type | None = None,
+    *,
+    accelerator_type: str,
+    accelerator_config: Mapping[str, Any],
+    input_spec: Mapping[str, Any] | InputSpec | None = None,
+    reservation_timeout_s: float = 60.0,
+    init_timeout_s: float = 120.0,
+    request_timeout_s: float = 30.0,
+    body_timeout_s: float = 10.0,
+    max_batch_size: int = 32,
+    batch_wait_timeout_s: float = 0.002,
+    max_body_bytes: int = 1 << 20,
+    **serve_options: Any,
+) -> Any:
     """Makes a model class a Ray Serve deployment whose replicas each own one whole slice.
 
     Args:
@@ -141,17 +158,30 @@ def deployment(_cls: type | None = None, *, accelerator_type: str, accelerator_c
 expected a class that defines __call__(self, batch); NoCall does not
     """
     cfg = SliceServeConfig.from_accelerator_config(
-        accelerator_type, accelerator_config, input_spec=input_spec, reservation_timeout_s=reservation_timeout_s,
-        init_timeout_s=init_timeout_s, request_timeout_s=request_timeout_s, body_timeout_s=body_timeout_s,
-        max_batch_size=max_batch_size, batch_wait_timeout_s=batch_wait_timeout_s, max_body_bytes=max_body_bytes)
+        accelerator_type,
+        accelerator_config,
+        input_spec=input_spec,
+        reservation_timeout_s=reservation_timeout_s,
+        init_timeout_s=init_timeout_s,
+        request_timeout_s=request_timeout_s,
+        body_timeout_s=body_timeout_s,
+        max_batch_size=max_batch_size,
+        batch_wait_timeout_s=batch_wait_timeout_s,
+        max_body_bytes=max_body_bytes,
+    )
 
     def wrap(cls: type) -> Any:
         _check_model_class(cls)
         from ray import serve
 
-        options = {"ray_actor_options": {"num_cpus": 0}, "max_constructor_retry_count": 3,
-                   "health_check_period_s": 2.0, "health_check_timeout_s": 10.0,
-                   "max_ongoing_requests": 4 * cfg.max_batch_size, **serve_options}
+        options = {
+            "ray_actor_options": {"num_cpus": 0},
+            "max_constructor_retry_count": 3,
+            "health_check_period_s": 2.0,
+            "health_check_timeout_s": 10.0,
+            "max_ongoing_requests": 4 * cfg.max_batch_size,
+            **serve_options,
+        }
         return serve.deployment(make_replica_class(cls, cfg), **options)
 
     return wrap(_cls) if _cls is not None else wrap

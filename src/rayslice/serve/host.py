@@ -27,8 +27,9 @@ def setup_model(user_cls: type, args: tuple, kwargs: dict, deployment: str = "")
     if callable(setup):
         setup(ctx)
     _MODEL = obj
-    _SAMPLER = HostSampler({"slice": ctx.slice_name, "worker_id": str(ctx.worker_id),
-                            "run": deployment or type(obj).__name__}).start()
+    _SAMPLER = HostSampler(
+        {"slice": ctx.slice_name, "worker_id": str(ctx.worker_id), "run": deployment or type(obj).__name__}
+    ).start()
     return type(obj).__name__
 
 

@@ -76,8 +76,15 @@ class ReplicaCore:
             reserve nor release it (its topology must match ``cfg.request``).
     """
 
-    def __init__(self, user_cls: type, cfg: SliceServeConfig, args: tuple, kwargs: dict, *,
-                 tpu_slice: SlicePlacementGroup | None = None) -> None:
+    def __init__(
+        self,
+        user_cls: type,
+        cfg: SliceServeConfig,
+        args: tuple,
+        kwargs: dict,
+        *,
+        tpu_slice: SlicePlacementGroup | None = None,
+    ) -> None:
         from rayslice.gang import CONTROL_GROUP, SliceGang
         from rayslice.placement import SlicePlacementGroup, slice_placement_group
         from rayslice.serve import host
@@ -98,16 +105,23 @@ class ReplicaCore:
             self.spg = tpu_slice
         else:
             try:
-                self.spg = slice_placement_group(cfg.request, timeout_s=cfg.reservation_timeout_s,
-                                                 name=f"serve-{self.name}-{uuid.uuid4().hex[:6]}", progress=False)
+                self.spg = slice_placement_group(
+                    cfg.request,
+                    timeout_s=cfg.reservation_timeout_s,
+                    name=f"serve-{self.name}-{uuid.uuid4().hex[:6]}",
+                    progress=False,
+                )
             except ReservationError as e:  # Serve shows it as the reason the deployment failed
                 raise _one_line_reservation_error(e, self.name) from None
         try:
             # Liveness pings (health checks, classifying a failed step) run in their own
             # concurrency group on every host, so they never queue behind a step.
-            self.gang = SliceGang(self.spg, init_timeout_s=cfg.init_timeout_s, name=self.name,
-                                  actor_options={"max_concurrency": 2,
-                                                 "concurrency_groups": {CONTROL_GROUP: 1}}).start()
+            self.gang = SliceGang(
+                self.spg,
+                init_timeout_s=cfg.init_timeout_s,
+                name=self.name,
+                actor_options={"max_concurrency": 2, "concurrency_groups": {CONTROL_GROUP: 1}},
+            ).start()
             self.gang.run(host.setup_model, user_cls, args, kwargs, self.name, timeout_s=cfg.init_timeout_s)
         except BaseException:
             self.close()
@@ -119,8 +133,9 @@ class ReplicaCore:
         spec = self.cfg.input_spec
         out = spec.validate(inputs) if isinstance(spec, InputSpec) else validate_untyped(inputs)
         if rows_of(out) > self.cfg.max_batch_size:  # whatever the spec's own limit: Serve's batcher would fail
-            raise RequestError(f"{rows_of(out)} rows in one request; the limit is {self.cfg.max_batch_size}",
-                               status=413)
+            raise RequestError(
+                f"{rows_of(out)} rows in one request; the limit is {self.cfg.max_batch_size}", status=413
+            )
         return out
 
     async def infer_many(self, items: list[dict[str, np.ndarray]]) -> list[Any]:
@@ -142,7 +157,7 @@ class ReplicaCore:
         answers = []
         for it in items:
             n = rows_of(it)
-            answers.append({k: v[start:start + n] for k, v in outs.items()})
+            answers.append({k: v[start : start + n] for k, v in outs.items()})
             start += n
         return answers
 
@@ -206,8 +221,9 @@ class ReplicaCore:
                 outcome = dataclasses.replace(outcome, outcome=Outcome.PREEMPTED, rank=lost[0])
         if outcome.outcome is Outcome.PREEMPTED and self.broken is None:
             self.broken = outcome
-            logger.warning("slice %s lost a host (rank %s): %s", getattr(self, "slice_name", "?"), outcome.rank,
-                           outcome.message)
+            logger.warning(
+                "slice %s lost a host (rank %s): %s", getattr(self, "slice_name", "?"), outcome.rank, outcome.message
+            )
         return outcome
 
     async def _watch(self, host: asyncio.Future, deadline: float) -> None:
@@ -227,8 +243,10 @@ class ReplicaCore:
             text = f"the model raised: {outcome.message}"
         elif outcome.outcome is Outcome.PREEMPTED:
             rank = "" if outcome.rank is None else f" (rank {outcome.rank})"
-            text = (f"{where} failed this request: a host{rank} was lost; the replica is unhealthy and "
-                    f"Serve is replacing it; retry: {outcome.message}")
+            text = (
+                f"{where} failed this request: a host{rank} was lost; the replica is unhealthy and "
+                f"Serve is replacing it; retry: {outcome.message}"
+            )
         elif outcome.outcome is Outcome.TIMEOUT:
             text = f"{where} failed this request: no answer within request_timeout_s={self.cfg.request_timeout_s:g}"
         else:
@@ -297,11 +315,13 @@ def _json_outputs(outputs: Mapping[str, np.ndarray]) -> dict[str, Any]:
     for k, v in outputs.items():
         arr = np.asarray(v)
         if arr.dtype.kind == "f" and not np.isfinite(arr).all():
-            raise GangError(f"the model's output {k!r} holds NaN or Infinity, which JSON cannot carry",
-                            outcome=Outcome.FAILED)
+            raise GangError(
+                f"the model's output {k!r} holds NaN or Infinity, which JSON cannot carry", outcome=Outcome.FAILED
+            )
         if arr.dtype.kind not in "fiub":
-            raise GangError(f"the model's output {k!r} has dtype {arr.dtype}, which is not JSON-numeric",
-                            outcome=Outcome.FAILED)
+            raise GangError(
+                f"the model's output {k!r} has dtype {arr.dtype}, which is not JSON-numeric", outcome=Outcome.FAILED
+            )
         out[str(k)] = arr.tolist()
     return out
 
@@ -318,16 +338,18 @@ def make_replica_class(user_cls: type, cfg: SliceServeConfig) -> type:
             if not header.strip().isdigit():
                 raise RequestError(f"Content-Length {header[:40]!r} is not a non-negative integer", status=400)
             if int(header) > cfg.max_body_bytes:
-                raise RequestError(f"request body of {int(header)} bytes exceeds the limit of {cfg.max_body_bytes}",
-                                   status=413)
+                raise RequestError(
+                    f"request body of {int(header)} bytes exceeds the limit of {cfg.max_body_bytes}", status=413
+                )
 
         async def read() -> bytes:
             chunks, size = [], 0
             async for chunk in request.stream():
                 size += len(chunk)
                 if size > cfg.max_body_bytes:
-                    raise RequestError(f"request body of more than {cfg.max_body_bytes} bytes exceeds the limit",
-                                       status=413)
+                    raise RequestError(
+                        f"request body of more than {cfg.max_body_bytes} bytes exceeds the limit", status=413
+                    )
                 chunks.append(chunk)
             return b"".join(chunks)
 
@@ -335,8 +357,9 @@ def make_replica_class(user_cls: type, cfg: SliceServeConfig) -> type:
             return await asyncio.wait_for(read(), timeout=cfg.body_timeout_s)
         except TimeoutError:
             declared = f" of the {header} bytes its Content-Length declares" if header else ""
-            raise RequestError(f"the request body{declared} did not arrive within body_timeout_s="
-                               f"{cfg.body_timeout_s:g} s", status=408) from None
+            raise RequestError(
+                f"the request body{declared} did not arrive within body_timeout_s={cfg.body_timeout_s:g} s", status=408
+            ) from None
         except ClientDisconnect:
             raise RequestError("the client disconnected before sending its whole body", status=400) from None
 
@@ -345,8 +368,11 @@ def make_replica_class(user_cls: type, cfg: SliceServeConfig) -> type:
             self._core = ReplicaCore(user_cls, cfg, args, kwargs)
 
         # Batches are counted in rows, not requests: one SPMD step holds at most max_batch_size rows.
-        @serve.batch(max_batch_size=cfg.max_batch_size, batch_wait_timeout_s=cfg.batch_wait_timeout_s,
-                     batch_size_fn=lambda items: sum(rows_of(it) for it in items))
+        @serve.batch(
+            max_batch_size=cfg.max_batch_size,
+            batch_wait_timeout_s=cfg.batch_wait_timeout_s,
+            batch_size_fn=lambda items: sum(rows_of(it) for it in items),
+        )
         async def _batched(self, items: list[dict[str, np.ndarray]]) -> list[Any]:
             return await self._core.infer_many(items)
 
@@ -361,8 +387,11 @@ def make_replica_class(user_cls: type, cfg: SliceServeConfig) -> type:
                 return await self._infer(request)  # a DeploymentHandle call: numpy in, numpy out
             try:
                 if request.method != "POST":
-                    return JSONResponse({"error": f"method {request.method} is not allowed; POST a JSON body "
-                                                  '{"inputs": {...}}'}, status_code=405, headers={"Allow": "POST"})
+                    return JSONResponse(
+                        {"error": f'method {request.method} is not allowed; POST a JSON body {{"inputs": {{...}}}}'},
+                        status_code=405,
+                        headers={"Allow": "POST"},
+                    )
                 outputs = await self._infer(parse_body(await read_body(request), cfg.max_body_bytes))
                 return JSONResponse({"outputs": _json_outputs(outputs)})
             except RequestError as e:
@@ -388,4 +417,3 @@ def make_replica_class(user_cls: type, cfg: SliceServeConfig) -> type:
     SliceReplica.__qualname__ = user_cls.__qualname__
     SliceReplica.__doc__ = user_cls.__doc__
     return SliceReplica
-

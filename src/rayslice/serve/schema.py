@@ -66,8 +66,9 @@ def _dtype_of(where: str, dtype: object) -> str:
     except TypeError:
         raise fail(where, dtype, "a numpy dtype name such as 'float32', 'int32' or 'bool'") from None
     if dt.kind not in _KINDS:
-        raise fail(where, dtype, f"a numeric dtype (dtype {str(dtype)!r} is not numeric; "
-                                 "valid kinds: float, int, uint, bool)")
+        raise fail(
+            where, dtype, f"a numeric dtype (dtype {str(dtype)!r} is not numeric; valid kinds: float, int, uint, bool)"
+        )
     return dt.name
 
 
@@ -149,8 +150,12 @@ or {'shape': [...], 'dtype': ...}, got str
         if isinstance(spec, InputSpec):
             return dataclasses.replace(spec, max_rows=max_rows)
         if not isinstance(spec, Mapping):
-            raise fail("input_spec", spec, "a mapping of column name to (shape, dtype), e.g. {'x': ((8,), 'float32')}",
-                       got_type=True)
+            raise fail(
+                "input_spec",
+                spec,
+                "a mapping of column name to (shape, dtype), e.g. {'x': ((8,), 'float32')}",
+                got_type=True,
+            )
         if not spec:
             raise fail("input_spec", spec, "at least one column, e.g. {'x': ((8,), 'float32')}")
         cols = {}
@@ -172,19 +177,22 @@ or {'shape': [...], 'dtype': ...}, got str
     def validate(self, inputs: Any) -> dict[str, np.ndarray]:
         """Checks one request's inputs; returns numpy arrays or raises :class:`RequestError`."""
         if not isinstance(inputs, Mapping):
-            raise RequestError(f"'inputs' must be an object of columns {sorted(self.columns)}, "
-                               f"got {type(inputs).__name__}")
+            raise RequestError(
+                f"'inputs' must be an object of columns {sorted(self.columns)}, got {type(inputs).__name__}"
+            )
         missing = sorted(set(self.columns) - set(inputs))
         extra = sorted(str(k) for k in set(inputs) - set(self.columns))
         if missing or extra:
-            raise RequestError(f"inputs must have exactly the columns {sorted(self.columns)}; "
-                               f"missing {missing}, unexpected {extra}")
+            raise RequestError(
+                f"inputs must have exactly the columns {sorted(self.columns)}; missing {missing}, unexpected {extra}"
+            )
         out, rows = {}, None
         for name, col in self.columns.items():
             arr = column_array(name, inputs[name], f"numeric ({col.dtype})", want=np.dtype(col.dtype))
             if arr.shape[1:] != col.shape or arr.ndim != len(col.shape) + 1:
-                raise RequestError(f"column {name!r} must have shape (rows, {', '.join(map(str, col.shape))}); "
-                                   f"got {arr.shape}")
+                raise RequestError(
+                    f"column {name!r} must have shape (rows, {', '.join(map(str, col.shape))}); got {arr.shape}"
+                )
             n = arr.shape[0]
             if rows is not None and n != rows:
                 raise RequestError(f"columns have different row counts: {name!r} has {n}, others {rows}")
@@ -249,8 +257,9 @@ def column_array(name: str, value: Any, expected: str = "numeric", want: np.dtyp
                 return np.array(value, dtype=want)
             except OverflowError:
                 info = np.iinfo(want)
-                raise RequestError(f"column {name!r} has values outside the {want.name} range "
-                                   f"[{info.min}, {info.max}]") from None
+                raise RequestError(
+                    f"column {name!r} has values outside the {want.name} range [{info.min}, {info.max}]"
+                ) from None
         if kinds and kinds <= {"i", "b"} and arr.dtype.kind not in "iub":  # object, or float64 from mixed sizes
             raise RequestError(f"column {name!r} has integers too large for 64 bits")
         if not kinds:
@@ -281,8 +290,10 @@ def column_array(name: str, value: Any, expected: str = "numeric", want: np.dtyp
         overflow = np.isfinite(arr) & ~np.isfinite(out)
         if overflow.any():
             bad = arr[overflow].flat[0]
-            raise RequestError(f"column {name!r} has values outside the {label} range (e.g. {bad:g}); "
-                               f"the largest is {np.finfo(want).max:g}")
+            raise RequestError(
+                f"column {name!r} has values outside the {label} range (e.g. {bad:g}); "
+                f"the largest is {np.finfo(want).max:g}"
+            )
     return out
 
 

@@ -27,7 +27,23 @@ from rayslice.serve.llm.training import lm_train_loop, stdlib_corpus, train_tiny
 from rayslice.serve.llm.weights import load_params
 
 __all__ = [
-    "APIError", "ByteTokenizer", "Engine", "EngineConfig", "EngineError", "LLMConfig", "LLMServer", "LMConfig",
-    "SamplingParams", "Scheduler", "app", "build_app", "compile_count", "llm_deployment", "lm_train_loop",
-    "load_params", "local_engine", "stdlib_corpus", "train_tiny_lm",
+    "APIError",
+    "ByteTokenizer",
+    "Engine",
+    "EngineConfig",
+    "EngineError",
+    "LLMConfig",
+    "LLMServer",
+    "LMConfig",
+    "SamplingParams",
+    "Scheduler",
+    "app",
+    "build_app",
+    "compile_count",
+    "llm_deployment",
+    "lm_train_loop",
+    "load_params",
+    "local_engine",
+    "stdlib_corpus",
+    "train_tiny_lm",
 ]

@@ -44,8 +44,22 @@ from rayslice.serve.llm.tokenizer import ROLES, ByteTokenizer
 
 _TOKENIZER = ByteTokenizer()
 
-_COMMON = {"model", "max_tokens", "temperature", "top_p", "stop", "seed", "stream", "stream_options", "n", "user",
-           "presence_penalty", "frequency_penalty", "logprobs", "return_token_ids"}
+_COMMON = {
+    "model",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "stop",
+    "seed",
+    "stream",
+    "stream_options",
+    "n",
+    "user",
+    "presence_penalty",
+    "frequency_penalty",
+    "logprobs",
+    "return_token_ids",
+}
 COMPLETION_KEYS = _COMMON | {"prompt", "echo", "best_of", "suffix", "logit_bias"}
 CHAT_KEYS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "logit_bias", "response_format"}
 
@@ -53,8 +67,15 @@ CHAT_KEYS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "log
 class APIError(Exception):
     """An error answered as an OpenAI error object with HTTP ``status``."""
 
-    def __init__(self, message: str, status: int = 400, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.message, self.status, self.type, self.param, self.code = message, status, type, param, code
 
@@ -112,8 +133,9 @@ def _number(body: Mapping[str, Any], key: str, default: float, lo: float, hi: fl
     if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
         raise APIError(f"{v!r} is not of type 'number' - '{key}'", param=key, code="invalid_type")
     if v < lo or v > hi or (lo_open and v == lo):
-        raise APIError(f"'{key}' must be {'>' if lo_open else '>='} {lo:g} and <= {hi:g}, got {v}", param=key,
-                       code="invalid_value")
+        raise APIError(
+            f"'{key}' must be {'>' if lo_open else '>='} {lo:g} and <= {hi:g}, got {v}", param=key, code="invalid_value"
+        )
     return float(v)
 
 
@@ -130,8 +152,9 @@ def _check_model(body: Mapping[str, Any], model: str) -> str:
     if not isinstance(name, str):
         raise APIError(f"{name!r} is not of type 'string' - 'model'", param="model", code="invalid_type")
     if name != model:
-        raise APIError(f"The model '{name}' does not exist; available: {model}", 404, param="model",
-                       code="model_not_found")
+        raise APIError(
+            f"The model '{name}' does not exist; available: {model}", 404, param="model", code="model_not_found"
+        )
     return name
 
 
@@ -150,8 +173,9 @@ def _unsupported(body: Mapping[str, Any]) -> None:
             raise APIError(f"'{key}' is not supported by this server", param=key, code="invalid_value")
 
 
-def _params(body: Mapping[str, Any], limits: Limits, prompt_len: int, default_max: int,
-            max_key: str = "max_tokens") -> SamplingParams:
+def _params(
+    body: Mapping[str, Any], limits: Limits, prompt_len: int, default_max: int, max_key: str = "max_tokens"
+) -> SamplingParams:
     mt = body.get(max_key)
     if mt is None:
         mt = default_max
@@ -160,18 +184,26 @@ def _params(body: Mapping[str, Any], limits: Limits, prompt_len: int, default_ma
     elif mt < 1:
         raise APIError(f"'{max_key}' must be >= 1, got {mt}", param=max_key, code="invalid_value")
     elif mt > limits.max_tokens_limit:
-        raise APIError(f"'{max_key}' is too large: {mt}. This model supports at most {limits.max_tokens_limit} "
-                       "completion tokens", param=max_key, code="invalid_value")
+        raise APIError(
+            f"'{max_key}' is too large: {mt}. This model supports at most {limits.max_tokens_limit} completion tokens",
+            param=max_key,
+            code="invalid_value",
+        )
     if prompt_len > limits.prompt_limit:
-        raise APIError(f"This model's maximum context length is {limits.max_context} tokens and prompts may hold "
-                       f"at most {limits.prompt_limit}; your prompt is {prompt_len} tokens", param="messages"
-                       if max_key != "max_tokens" or "messages" in body else "prompt",
-                       code="context_length_exceeded")
+        raise APIError(
+            f"This model's maximum context length is {limits.max_context} tokens and prompts may hold "
+            f"at most {limits.prompt_limit}; your prompt is {prompt_len} tokens",
+            param="messages" if max_key != "max_tokens" or "messages" in body else "prompt",
+            code="context_length_exceeded",
+        )
     if prompt_len + mt > limits.max_context:
-        raise APIError(f"This model's maximum context length is {limits.max_context} tokens. However, you "
-                       f"requested {prompt_len + mt} tokens ({prompt_len} in the prompt, {mt} in the completion). "
-                       "Please reduce the prompt or the completion length", param=max_key,
-                       code="context_length_exceeded")
+        raise APIError(
+            f"This model's maximum context length is {limits.max_context} tokens. However, you "
+            f"requested {prompt_len + mt} tokens ({prompt_len} in the prompt, {mt} in the completion). "
+            "Please reduce the prompt or the completion length",
+            param=max_key,
+            code="context_length_exceeded",
+        )
     temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
     top_p = _number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True)
     stop = body.get("stop")
@@ -182,16 +214,19 @@ def _params(body: Mapping[str, Any], limits: Limits, prompt_len: int, default_ma
     elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
         stops = tuple(dict.fromkeys(s for s in stop if s))
     else:
-        raise APIError(f"{stop!r} is not valid under any of the given schemas - 'stop': a string or a list of "
-                       "strings", param="stop", code="invalid_type")
+        raise APIError(
+            f"{stop!r} is not valid under any of the given schemas - 'stop': a string or a list of strings",
+            param="stop",
+            code="invalid_type",
+        )
     if len(stops) > 4:
-        raise APIError(f"'stop' holds {len(stops)} strings; at most 4 are allowed", param="stop",
-                       code="invalid_value")
+        raise APIError(f"'stop' holds {len(stops)} strings; at most 4 are allowed", param="stop", code="invalid_value")
     seed = body.get("seed")
     if seed is not None and not _is_int(seed):
         raise APIError(f"{seed!r} is not of type 'integer' - 'seed'", param="seed", code="invalid_type")
-    return SamplingParams(max_tokens=mt, temperature=temperature, top_p=top_p, stop=stops,
-                          seed=None if seed is None else seed % (1 << 31))
+    return SamplingParams(
+        max_tokens=mt, temperature=temperature, top_p=top_p, stop=stops, seed=None if seed is None else seed % (1 << 31)
+    )
 
 
 def _stream_opts(body: Mapping[str, Any]) -> tuple[bool, bool, bool]:
@@ -202,14 +237,18 @@ def _stream_opts(body: Mapping[str, Any]) -> tuple[bool, bool, bool]:
         raise APIError(f"{stream!r} is not of type 'boolean' - 'stream'", param="stream", code="invalid_type")
     opts = body.get("stream_options") or {}
     if not isinstance(opts, dict) or not isinstance(opts.get("include_usage", False), bool):
-        raise APIError("'stream_options' must be an object like {\"include_usage\": true}", param="stream_options",
-                       code="invalid_type")
+        raise APIError(
+            "'stream_options' must be an object like {\"include_usage\": true}",
+            param="stream_options",
+            code="invalid_type",
+        )
     if opts and not stream:
         raise APIError("'stream_options' is only allowed when 'stream' is true", param="stream_options")
     rti = body.get("return_token_ids", False)
     if not isinstance(rti, bool):
-        raise APIError(f"{rti!r} is not of type 'boolean' - 'return_token_ids'", param="return_token_ids",
-                       code="invalid_type")
+        raise APIError(
+            f"{rti!r} is not of type 'boolean' - 'return_token_ids'", param="return_token_ids", code="invalid_type"
+        )
     return stream, bool(opts.get("include_usage", False)), rti
 
 
@@ -228,12 +267,18 @@ def parse_completion(body: Mapping[str, Any], model: str, limits: Limits) -> Gen
     elif isinstance(p, list) and p and all(_is_int(t) for t in p):
         bad = [t for t in p if not 0 <= t < _TOKENIZER.vocab_size]
         if bad:
-            raise APIError(f"token id {bad[0]} is out of range: valid ids are 0..{_TOKENIZER.vocab_size - 1}",
-                           param="prompt", code="invalid_value")
+            raise APIError(
+                f"token id {bad[0]} is out of range: valid ids are 0..{_TOKENIZER.vocab_size - 1}",
+                param="prompt",
+                code="invalid_value",
+            )
         prompt = list(p)
     else:
-        raise APIError("'prompt' must be a string, a list of one string, or a non-empty list of token ids",
-                       param="prompt", code="invalid_type")
+        raise APIError(
+            "'prompt' must be a string, a list of one string, or a non-empty list of token ids",
+            param="prompt",
+            code="invalid_type",
+        )
     if not prompt:
         raise APIError("'prompt' is empty: it needs at least one token", param="prompt", code="invalid_value")
     stream, usage, rti = _stream_opts(body)
@@ -249,12 +294,18 @@ def _content(m: Mapping[str, Any], i: int) -> str:
         parts = []
         for part in c:
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise APIError(f"messages[{i}].content: only text parts are supported ({{'type': 'text', "
-                               "'text': ...}})", param=f"messages.[{i}].content", code="invalid_value")
+                raise APIError(
+                    f"messages[{i}].content: only text parts are supported ({{'type': 'text', 'text': ...}}}})",
+                    param=f"messages.[{i}].content",
+                    code="invalid_value",
+                )
             parts.append(part["text"])
         return "".join(parts)
-    raise APIError(f"messages[{i}].content must be a string or a list of text parts", param=f"messages.[{i}].content",
-                   code="invalid_type")
+    raise APIError(
+        f"messages[{i}].content must be a string or a list of text parts",
+        param=f"messages.[{i}].content",
+        code="invalid_type",
+    )
 
 
 def parse_chat(body: Mapping[str, Any], model: str, limits: Limits) -> GenerationSpec:
@@ -264,8 +315,11 @@ def parse_chat(body: Mapping[str, Any], model: str, limits: Limits) -> Generatio
     _unsupported(body)
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
-        raise APIError("'messages' must be a non-empty list of {role, content} objects", param="messages",
-                       code="invalid_type" if msgs is not None else "missing_required_parameter")
+        raise APIError(
+            "'messages' must be a non-empty list of {role, content} objects",
+            param="messages",
+            code="invalid_type" if msgs is not None else "missing_required_parameter",
+        )
     clean = []
     for i, m in enumerate(msgs):
         if not isinstance(m, dict):
@@ -274,8 +328,11 @@ def parse_chat(body: Mapping[str, Any], model: str, limits: Limits) -> Generatio
         if role == "developer":
             role = "system"
         if role not in ROLES:
-            raise APIError(f"messages[{i}].role={role!r} is not supported; valid: {', '.join(ROLES)}",
-                           param=f"messages.[{i}].role", code="invalid_value")
+            raise APIError(
+                f"messages[{i}].role={role!r} is not supported; valid: {', '.join(ROLES)}",
+                param=f"messages.[{i}].role",
+                code="invalid_value",
+            )
         clean.append({"role": role, "content": _content(m, i)})
     prompt = _TOKENIZER.apply_chat_template(clean)
     stream, usage, rti = _stream_opts(body)
@@ -287,33 +344,64 @@ def parse_chat(body: Mapping[str, Any], model: str, limits: Limits) -> Generatio
 
 # -- responses ------------------------------------------------------------------------------------
 
+
 def new_id(kind: str) -> str:
     return ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
-def full_response(spec: GenerationSpec, rid: str, created: int, text: str, finish_reason: str,
-                  prompt_tokens: int, completion_tokens: int, token_ids: list[int] | None = None) -> dict[str, Any]:
+def full_response(
+    spec: GenerationSpec,
+    rid: str,
+    created: int,
+    text: str,
+    finish_reason: str,
+    prompt_tokens: int,
+    completion_tokens: int,
+    token_ids: list[int] | None = None,
+) -> dict[str, Any]:
     """A non-streaming ``text_completion`` or ``chat.completion`` object."""
     if spec.kind == "chat":
-        choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
-                                  "finish_reason": finish_reason, "logprobs": None}
+        choice: dict[str, Any] = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "finish_reason": finish_reason,
+            "logprobs": None,
+        }
         obj = "chat.completion"
     else:
         choice = {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}
         obj = "text_completion"
     if token_ids is not None:
         choice["token_ids"] = token_ids
-    return {"id": rid, "object": obj, "created": created, "model": spec.model, "choices": [choice],
-            "usage": usage(prompt_tokens, completion_tokens)}
+    return {
+        "id": rid,
+        "object": obj,
+        "created": created,
+        "model": spec.model,
+        "choices": [choice],
+        "usage": usage(prompt_tokens, completion_tokens),
+    }
 
 
-def chunk(spec: GenerationSpec, rid: str, created: int, text: str | None, finish_reason: str | None = None,
-          *, role: bool = False, usage_obj: dict[str, int] | None = None, empty: bool = False) -> str:
+def chunk(
+    spec: GenerationSpec,
+    rid: str,
+    created: int,
+    text: str | None,
+    finish_reason: str | None = None,
+    *,
+    role: bool = False,
+    usage_obj: dict[str, int] | None = None,
+    empty: bool = False,
+) -> str:
     """One server-sent event: ``data: {...}\\n\\n``."""
     if spec.kind == "chat":
         delta: dict[str, Any] = {}
@@ -326,8 +414,13 @@ def chunk(spec: GenerationSpec, rid: str, created: int, text: str | None, finish
     else:
         choices = [{"index": 0, "text": text or "", "finish_reason": finish_reason, "logprobs": None}]
         obj = "text_completion"
-    payload: dict[str, Any] = {"id": rid, "object": obj, "created": created, "model": spec.model,
-                               "choices": [] if empty else choices}
+    payload: dict[str, Any] = {
+        "id": rid,
+        "object": obj,
+        "created": created,
+        "model": spec.model,
+        "choices": [] if empty else choices,
+    }
     if usage_obj is not None or (spec.include_usage and not empty):
         payload["usage"] = usage_obj
     return f"data: {json.dumps(payload)}\n\n"

@@ -85,8 +85,9 @@ class LLMConfig:
         if self.engine.max_context > self.lm.max_len:
             raise ValueError(f"engine.max_context={self.engine.max_context} exceeds lm.max_len={self.lm.max_len}")
         if self.lm.vocab_size < ByteTokenizer.vocab_size:
-            raise ValueError(f"lm.vocab_size={self.lm.vocab_size} is below the tokenizer's "
-                             f"{ByteTokenizer.vocab_size} ids")
+            raise ValueError(
+                f"lm.vocab_size={self.lm.vocab_size} is below the tokenizer's {ByteTokenizer.vocab_size} ids"
+            )
         check_optional(check_str, "checkpoint", self.checkpoint)
         check_int("seed", self.seed, minimum=0)
         for name in ("reservation_timeout_s", "init_timeout_s", "step_timeout_s"):
@@ -100,8 +101,12 @@ class LLMConfig:
 
     def engine_kwargs(self) -> dict[str, Any]:
         e = self.engine
-        return {"num_slots": e.num_slots, "max_context": e.max_context, "prefill_buckets": e.prefill_buckets,
-                "vocab_limit": ByteTokenizer.vocab_size}
+        return {
+            "num_slots": e.num_slots,
+            "max_context": e.max_context,
+            "prefill_buckets": e.prefill_buckets,
+            "vocab_limit": ByteTokenizer.vocab_size,
+        }
 
 
 class SliceExecutor:
@@ -114,15 +119,25 @@ class SliceExecutor:
 
         self.cfg = cfg
         self.gang: Any = None
-        self.spg: Any = slice_placement_group(cfg.topology, cfg.accelerator_type, chips_per_host=cfg.chips_per_host,
-                                         timeout_s=cfg.reservation_timeout_s,
-                                         name=f"llm-{cfg.model_name}-{uuid.uuid4().hex[:6]}", progress=False)
+        self.spg: Any = slice_placement_group(
+            cfg.topology,
+            cfg.accelerator_type,
+            chips_per_host=cfg.chips_per_host,
+            timeout_s=cfg.reservation_timeout_s,
+            name=f"llm-{cfg.model_name}-{uuid.uuid4().hex[:6]}",
+            progress=False,
+        )
         try:
             self.slice_name = self.spg.slices[0].name
-            self.gang = SliceGang(self.spg, init_timeout_s=cfg.init_timeout_s, name=f"llm-{cfg.model_name}",
-                                  actor_options={"max_concurrency": 2}).start()
-            self.host_info = self.gang.run(runner.host_setup, cfg.lm, cfg.engine_kwargs(), cfg.checkpoint, cfg.seed,
-                                           timeout_s=cfg.init_timeout_s)
+            self.gang = SliceGang(
+                self.spg,
+                init_timeout_s=cfg.init_timeout_s,
+                name=f"llm-{cfg.model_name}",
+                actor_options={"max_concurrency": 2},
+            ).start()
+            self.host_info = self.gang.run(
+                runner.host_setup, cfg.lm, cfg.engine_kwargs(), cfg.checkpoint, cfg.seed, timeout_s=cfg.init_timeout_s
+            )
         except BaseException:
             self.close()
             raise
@@ -135,16 +150,19 @@ class SliceExecutor:
             raise EngineError("the slice was released")
         refs = self.gang.run_async(runner.host_step, step)
         futures = [asyncio.ensure_future(_await(r)) for r in refs]
-        done, pending = await asyncio.wait(futures, timeout=self.cfg.step_timeout_s,
-                                           return_when=asyncio.FIRST_EXCEPTION)
+        done, pending = await asyncio.wait(
+            futures, timeout=self.cfg.step_timeout_s, return_when=asyncio.FIRST_EXCEPTION
+        )
         for f in pending:
             f.cancel()
         for rank, f in enumerate(futures):
             if f in done and f.exception() is not None:
                 raise EngineError(f"slice {self.slice_name}: host rank {rank} failed: {describe(f.exception())}")
         if pending:
-            raise EngineError(f"slice {self.slice_name}: {len(pending)} host(s) did not finish a step within "
-                              f"{self.cfg.step_timeout_s:g} s")
+            raise EngineError(
+                f"slice {self.slice_name}: {len(pending)} host(s) did not finish a step within "
+                f"{self.cfg.step_timeout_s:g} s"
+            )
         return futures[0].result()
 
     def compiles(self) -> int:
@@ -196,11 +214,15 @@ class LLMServer:
         else:
             self.executor = SliceExecutor(cfg)
             self.engine = Engine(self.executor, cfg.engine, ByteTokenizer())
-            extra = {"slice": self.executor.slice_name, "hosts": len(self.executor.host_info),
-                     "mesh": self.executor.host_info[0]["mesh"],
-                     "devices": self.executor.host_info[0]["device_count"]}
-        self.server = OpenAIServer(self.engine, cfg.model_name, max_body_bytes=cfg.max_body_bytes,
-                                   extra_stats=lambda: extra)
+            extra = {
+                "slice": self.executor.slice_name,
+                "hosts": len(self.executor.host_info),
+                "mesh": self.executor.host_info[0]["mesh"],
+                "devices": self.executor.host_info[0]["device_count"],
+            }
+        self.server = OpenAIServer(
+            self.engine, cfg.model_name, max_body_bytes=cfg.max_body_bytes, extra_stats=lambda: extra
+        )
 
     async def __call__(self, request: Any) -> Any:
         return await self.server.handle(request)
@@ -223,10 +245,15 @@ def llm_deployment(cfg: LLMConfig, *, local: bool = False, **serve_options: Any)
 
     if not isinstance(cfg, LLMConfig):
         raise TypeError(f"cfg={cfg!r} is not valid: expected an LLMConfig")
-    options = {"ray_actor_options": {"num_cpus": 0}, "max_constructor_retry_count": 3,
-               "health_check_period_s": 2.0, "health_check_timeout_s": 10.0,
-               "max_ongoing_requests": 4 * cfg.engine.num_slots + 16,
-               "name": "LLMLocal" if local else "LLMServer", **serve_options}
+    options = {
+        "ray_actor_options": {"num_cpus": 0},
+        "max_constructor_retry_count": 3,
+        "health_check_period_s": 2.0,
+        "health_check_timeout_s": 10.0,
+        "max_ongoing_requests": 4 * cfg.engine.num_slots + 16,
+        "name": "LLMLocal" if local else "LLMServer",
+        **serve_options,
+    }
     return serve.deployment(LLMServer, **options)
 
 

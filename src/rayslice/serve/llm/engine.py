@@ -68,10 +68,16 @@ class EngineConfig:
         check_int("default_max_tokens", self.default_max_tokens, minimum=1, maximum=self.max_tokens_limit)
         check_int("max_prefills_per_step", self.max_prefills_per_step, minimum=1)
         buckets = tuple(self.prefill_buckets)
-        if not buckets or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in buckets) \
-                or list(buckets) != sorted(set(buckets)) or buckets[-1] > self.max_context:
-            raise InvalidArgument(f"prefill_buckets={buckets!r} is not valid: expected increasing positive "
-                                  f"integers, the largest <= max_context={self.max_context}")
+        if (
+            not buckets
+            or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in buckets)
+            or list(buckets) != sorted(set(buckets))
+            or buckets[-1] > self.max_context
+        ):
+            raise InvalidArgument(
+                f"prefill_buckets={buckets!r} is not valid: expected increasing positive "
+                f"integers, the largest <= max_context={self.max_context}"
+            )
         object.__setattr__(self, "prefill_buckets", buckets)
 
     @property
@@ -106,10 +112,10 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         check_int("max_tokens", self.max_tokens, minimum=1)
-        object.__setattr__(self, "temperature", check_float("temperature", self.temperature, minimum=0.0,
-                                                            maximum=2.0))
-        object.__setattr__(self, "top_p", check_float("top_p", self.top_p, minimum=0.0, maximum=1.0,
-                                                      exclusive_min=True))
+        object.__setattr__(self, "temperature", check_float("temperature", self.temperature, minimum=0.0, maximum=2.0))
+        object.__setattr__(
+            self, "top_p", check_float("top_p", self.top_p, minimum=0.0, maximum=1.0, exclusive_min=True)
+        )
         stop = check_str_list("stop", list(self.stop))
         if len(stop) > 4 or any(not s for s in stop):
             raise InvalidArgument(f"stop={list(stop)!r} is not valid: expected at most 4 non-empty strings")
@@ -190,14 +196,18 @@ class Scheduler:
         if not prompt:
             raise ValueError("the prompt is empty: it needs at least one token")
         if len(prompt) > self.cfg.max_prompt_tokens:
-            raise ValueError(f"the prompt is {len(prompt)} tokens; this model's context allows at most "
-                             f"{self.cfg.max_prompt_tokens} prompt tokens (context length {self.cfg.max_context})")
+            raise ValueError(
+                f"the prompt is {len(prompt)} tokens; this model's context allows at most "
+                f"{self.cfg.max_prompt_tokens} prompt tokens (context length {self.cfg.max_context})"
+            )
         if params.max_tokens > self.cfg.max_tokens_limit:
             raise ValueError(f"max_tokens={params.max_tokens} exceeds the limit of {self.cfg.max_tokens_limit}")
         if len(prompt) + params.max_tokens > self.cfg.max_context:
-            raise ValueError(f"this model's maximum context length is {self.cfg.max_context} tokens; the request "
-                             f"asks for {len(prompt) + params.max_tokens} ({len(prompt)} in the prompt, "
-                             f"{params.max_tokens} for the completion)")
+            raise ValueError(
+                f"this model's maximum context length is {self.cfg.max_context} tokens; the request "
+                f"asks for {len(prompt) + params.max_tokens} ({len(prompt)} in the prompt, "
+                f"{params.max_tokens} for the completion)"
+            )
 
     def add(self, prompt: Sequence[int], params: SamplingParams) -> Request:
         self.validate(prompt, params)
@@ -249,9 +259,17 @@ class Scheduler:
         if not admitted and not running:
             self._planned = None
             return None
-        prefills = tuple(Prefill(slot=_slot(r), tokens=r.prompt, bucket=self.cfg.bucket_for(len(r.prompt)),
-                                 temperature=r.params.temperature, top_p=r.params.top_p, seed=r.seed)
-                         for r in admitted)
+        prefills = tuple(
+            Prefill(
+                slot=_slot(r),
+                tokens=r.prompt,
+                bucket=self.cfg.bucket_for(len(r.prompt)),
+                temperature=r.params.temperature,
+                top_p=r.params.top_p,
+                seed=r.seed,
+            )
+            for r in admitted
+        )
         decode = None
         if running:
             n = self.cfg.num_slots
@@ -259,7 +277,11 @@ class Scheduler:
             top_p, seeds = np.ones(n, np.float32), np.zeros(n, np.uint32)
             for r in running:
                 active[r.slot], temp[r.slot], top_p[r.slot], seeds[r.slot] = (
-                    True, r.params.temperature, r.params.top_p, r.seed)
+                    True,
+                    r.params.temperature,
+                    r.params.top_p,
+                    r.seed,
+                )
             decode = Decode(active, temp, top_p, seeds)
         self._planned = (admitted, running)
         return Step(prefills, decode)
@@ -453,9 +475,16 @@ class Engine:
 
     def stats(self) -> dict[str, Any]:
         s = self.scheduler
-        return {**s.stats, "slots_total": self.cfg.num_slots, "slots_busy": s.busy_slots, "waiting": len(s.waiting),
-                "compiles": self.executor.compiles(), "broken": None if self.broken is None else str(self.broken),
-                "step_ms_p50": _p50_ms(self.step_times), "device_step_ms_p50": _p50_ms(self.device_times)}
+        return {
+            **s.stats,
+            "slots_total": self.cfg.num_slots,
+            "slots_busy": s.busy_slots,
+            "waiting": len(s.waiting),
+            "compiles": self.executor.compiles(),
+            "broken": None if self.broken is None else str(self.broken),
+            "step_ms_p50": _p50_ms(self.step_times),
+            "device_step_ms_p50": _p50_ms(self.device_times),
+        }
 
     async def close(self) -> None:
         if self._task is not None:
@@ -471,8 +500,9 @@ def _p50_ms(values: Any) -> float | None:
     return round(1000 * v[len(v) // 2], 3) if v else None
 
 
-def local_engine(lm: Any, cfg: EngineConfig, params: Any = None, *, seed: int = 0, devices: Any = None,
-                 warm_up: bool = True) -> Engine:
+def local_engine(
+    lm: Any, cfg: EngineConfig, params: Any = None, *, seed: int = 0, devices: Any = None, warm_up: bool = True
+) -> Engine:
     """An engine on this process's devices (random weights from ``seed`` when ``params`` is None).
 
     Example:
@@ -490,8 +520,9 @@ def local_engine(lm: Any, cfg: EngineConfig, params: Any = None, *, seed: int = 
     tok = ByteTokenizer()
     if params is None:
         params = init_params(lm, seed)
-    runner = ModelRunner(lm, params, num_slots=cfg.num_slots, max_context=cfg.max_context,
-                         vocab_limit=tok.vocab_size, devices=devices)
+    runner = ModelRunner(
+        lm, params, num_slots=cfg.num_slots, max_context=cfg.max_context, vocab_limit=tok.vocab_size, devices=devices
+    )
     if warm_up:
         runner.warm_up(cfg.prefill_buckets)
     return Engine(LocalExecutor(runner), cfg, tok)

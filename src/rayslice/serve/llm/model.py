@@ -78,8 +78,9 @@ class LMConfig:
         check_int("max_len", self.max_len, minimum=2)
         check_choice("dtype", self.dtype, ("float32", "bfloat16"))
         if self.d_model % self.num_heads:
-            raise InvalidArgument(f"d_model={self.d_model} is not valid: expected a multiple of "
-                                  f"num_heads={self.num_heads}")
+            raise InvalidArgument(
+                f"d_model={self.d_model} is not valid: expected a multiple of num_heads={self.num_heads}"
+            )
 
     @property
     def head_dim(self) -> int:
@@ -125,8 +126,9 @@ def _module(cfg: LMConfig) -> Any:
                 k_pos = jnp.broadcast_to(jnp.arange(ck.shape[1])[None], (x.shape[0], ck.shape[1]))
                 a = attend(q, ck, cv, positions, k_pos)
                 new_cache = (ck, cv)
-            x = x + nn.DenseGeneral(cfg.d_model, axis=(-2, -1), use_bias=False, dtype=dtype, kernel_init=out_init,
-                                    name="attn_o")(a)
+            x = x + nn.DenseGeneral(
+                cfg.d_model, axis=(-2, -1), use_bias=False, dtype=dtype, kernel_init=out_init, name="attn_o"
+            )(a)
             h = nn.LayerNorm(dtype=dtype, name="ln2")(x)
             h = nn.gelu(nn.Dense(cfg.d_ff, dtype=dtype, kernel_init=init, name="mlp_in")(h))
             x = x + nn.Dense(cfg.d_model, dtype=dtype, kernel_init=out_init, name="mlp_out")(h)
@@ -265,12 +267,15 @@ def check_params(cfg: LMConfig, params: Any) -> None:
     want_flat = {jax.tree_util.keystr(p): tuple(v.shape) for p, v in jax.tree_util.tree_leaves_with_path(want)}
     missing = sorted(set(want_flat) - set(got_flat))
     if missing:
-        raise ValueError(f"the weights have no parameter {missing[0]} (model config {cfg}); "
-                         f"they hold {sorted(got_flat)[:4]}...")
+        raise ValueError(
+            f"the weights have no parameter {missing[0]} (model config {cfg}); they hold {sorted(got_flat)[:4]}..."
+        )
     for k, shape in want_flat.items():
         if tuple(got_flat[k]) != shape:
-            raise ValueError(f"parameter {k} has shape {tuple(got_flat[k])} but the model config {cfg} "
-                             f"needs {shape}: the checkpoint was trained with another LMConfig")
+            raise ValueError(
+                f"parameter {k} has shape {tuple(got_flat[k])} but the model config {cfg} "
+                f"needs {shape}: the checkpoint was trained with another LMConfig"
+            )
 
 
 def init_params_shapes(cfg: LMConfig) -> Any:

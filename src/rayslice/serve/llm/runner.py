@@ -129,8 +129,9 @@ class ModelRunner:
         devices: Devices of the mesh; every process of a multi-host mesh must pass the same list.
     """
 
-    def __init__(self, lm: LMConfig, params: Any, *, num_slots: int, max_context: int, vocab_limit: int,
-                 devices: Any = None) -> None:
+    def __init__(
+        self, lm: LMConfig, params: Any, *, num_slots: int, max_context: int, vocab_limit: int, devices: Any = None
+    ) -> None:
         import jax
         import jax.numpy as jnp
         from jax.sharding import NamedSharding, PartitionSpec
@@ -141,12 +142,15 @@ class ModelRunner:
         self.mesh = make_mesh(jax.devices() if devices is None else devices, lm)
         self.replicated = NamedSharding(self.mesh, PartitionSpec())
         self.params = jax.tree.map(
-            lambda a, spec: self._global(np.asarray(a), NamedSharding(self.mesh, spec)), params, param_specs(params))
+            lambda a, spec: self._global(np.asarray(a), NamedSharding(self.mesh, spec)), params, param_specs(params)
+        )
         dtype = jnp.dtype(lm.dtype)
         cache_shape = (lm.num_layers, num_slots, max_context, lm.num_heads, lm.head_dim)
         cache_sharding = NamedSharding(self.mesh, cache_spec())
-        zeros = jax.jit(lambda: (jnp.zeros(cache_shape, dtype), jnp.zeros(cache_shape, dtype)),
-                        out_shardings=(cache_sharding, cache_sharding))
+        zeros = jax.jit(
+            lambda: (jnp.zeros(cache_shape, dtype), jnp.zeros(cache_shape, dtype)),
+            out_shardings=(cache_sharding, cache_sharding),
+        )
         self.cache = zeros()
         self.last = self._global(np.zeros(num_slots, np.int32))
         self.pos = self._global(np.zeros(num_slots, np.int32))
@@ -186,20 +190,26 @@ class ModelRunner:
 
     def run_prefill(self, p: Prefill) -> int:
         tokens = np.zeros((1, p.bucket), np.int32)
-        tokens[0, :len(p.tokens)] = p.tokens
+        tokens[0, : len(p.tokens)] = p.tokens
         ints = np.array([len(p.tokens), p.slot, p.seed & 0x7FFFFFFF], np.int32)
         floats = np.array([p.temperature, p.top_p], np.float32)
         self.cache, self.last, self.pos, tok = self._prefill(
-            self.params, self.cache, self.last, self.pos, self._global(tokens), self._global(ints),
-            self._global(floats))
+            self.params, self.cache, self.last, self.pos, self._global(tokens), self._global(ints), self._global(floats)
+        )
         return int(self._local(tok))
 
     def run_decode(self, d: Decode) -> np.ndarray:
         floats = np.stack([d.temperature, d.top_p]).astype(np.float32)
         seeds = (np.asarray(d.seeds, np.int64) & 0x7FFFFFFF).astype(np.int32)
         self.cache, self.last, self.pos, toks = self._decode(
-            self.params, self.cache, self.last, self.pos, self._global(np.asarray(d.active, bool)),
-            self._global(seeds), self._global(floats))
+            self.params,
+            self.cache,
+            self.last,
+            self.pos,
+            self._global(np.asarray(d.active, bool)),
+            self._global(seeds),
+            self._global(floats),
+        )
         return self._local(toks)
 
     def step(self, step: Step) -> StepResult:
@@ -215,8 +225,9 @@ class ModelRunner:
         for b in buckets:
             self.run_prefill(Prefill(slot=0, tokens=(0,), bucket=b, temperature=0.0, top_p=1.0, seed=0))
         n = self.num_slots
-        self.run_decode(Decode(np.zeros(n, bool), np.zeros(n, np.float32), np.ones(n, np.float32),
-                               np.zeros(n, np.uint32)))
+        self.run_decode(
+            Decode(np.zeros(n, bool), np.zeros(n, np.float32), np.ones(n, np.float32), np.zeros(n, np.uint32))
+        )
         return compile_count() - before
 
 
@@ -233,12 +244,22 @@ def host_setup(lm: LMConfig, engine_kwargs: dict[str, Any], checkpoint: str | No
     from rayslice.serve.llm.weights import load_params
 
     params = init_params(lm, seed) if checkpoint is None else load_params(checkpoint)
-    _RUNNER = ModelRunner(lm, params, num_slots=engine_kwargs["num_slots"], max_context=engine_kwargs["max_context"],
-                          vocab_limit=engine_kwargs["vocab_limit"])
+    _RUNNER = ModelRunner(
+        lm,
+        params,
+        num_slots=engine_kwargs["num_slots"],
+        max_context=engine_kwargs["max_context"],
+        vocab_limit=engine_kwargs["vocab_limit"],
+    )
     compiles = _RUNNER.warm_up(tuple(engine_kwargs["prefill_buckets"]))
-    return {"process_index": jax.process_index(), "process_count": jax.process_count(),
-            "device_count": jax.device_count(), "mesh": dict(_RUNNER.mesh.shape), "warm_up_compiles": compiles,
-            "compiles": compile_count()}
+    return {
+        "process_index": jax.process_index(),
+        "process_count": jax.process_count(),
+        "device_count": jax.device_count(),
+        "mesh": dict(_RUNNER.mesh.shape),
+        "warm_up_compiles": compiles,
+        "compiles": compile_count(),
+    }
 
 
 def host_step(step: Step) -> StepResult | None:

@@ -28,8 +28,14 @@ class OpenAIServer:
         extra_stats: Adds fields to the stats route (e.g. the slice's name).
     """
 
-    def __init__(self, engine: Engine, model: str, *, max_body_bytes: int = 1 << 20,
-                 extra_stats: Callable[[], dict[str, Any]] | None = None) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        model: str,
+        *,
+        max_body_bytes: int = 1 << 20,
+        extra_stats: Callable[[], dict[str, Any]] | None = None,
+    ) -> None:
         self.engine = engine
         self.model = model
         self.max_body_bytes = max_body_bytes
@@ -53,14 +59,20 @@ class OpenAIServer:
         except api.APIError as e:
             return self._error(e)
         except EngineError as e:
-            return self._error(api.APIError(f"The model is unavailable: {e}. Retry the request.", 503,
-                                            type="server_error", code="slice_unavailable"))
+            return self._error(
+                api.APIError(
+                    f"The model is unavailable: {e}. Retry the request.",
+                    503,
+                    type="server_error",
+                    code="slice_unavailable",
+                )
+            )
 
     async def _route(self, request: Any) -> Any:
         path = request.url.path
         root = request.scope.get("root_path") or ""
         if root and path.startswith(root):
-            path = path[len(root):]
+            path = path[len(root) :]
         path = "/" + path.strip("/")
         method = request.method
         if path == "/v1/models":
@@ -68,7 +80,7 @@ class OpenAIServer:
             return self._json(api.models_list(self.model, self.created, self.limits.max_context))
         if path.startswith("/v1/models/"):
             self._only(method, "GET")
-            name = path[len("/v1/models/"):]
+            name = path[len("/v1/models/") :]
             if name != self.model:
                 raise api.APIError(f"The model '{name}' does not exist", 404, param="model", code="model_not_found")
             return self._json(api.model_card(self.model, self.created, self.limits.max_context))
@@ -79,8 +91,9 @@ class OpenAIServer:
             self._only(method, "POST")
             declared = request.headers.get("content-length")
             if declared and declared.isdigit() and int(declared) > self.max_body_bytes:
-                raise api.APIError(f"The request body of {declared} bytes exceeds the limit of "
-                                   f"{self.max_body_bytes}", 413)
+                raise api.APIError(
+                    f"The request body of {declared} bytes exceeds the limit of {self.max_body_bytes}", 413
+                )
             body = api.parse_json(await request.body(), self.max_body_bytes)
             parse = api.parse_chat if path.endswith("chat/completions") else api.parse_completion
             return await self._generate(parse(body, self.model, self.limits))
@@ -100,8 +113,11 @@ class OpenAIServer:
         if spec.stream:
             from starlette.responses import StreamingResponse
 
-            return StreamingResponse(self._sse(spec, req, rid, created), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return StreamingResponse(
+                self._sse(spec, req, rid, created),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
         text: list[str] = []
         ids: list[int] = []
         async for ev in self.engine.events(req):
@@ -109,8 +125,18 @@ class OpenAIServer:
                 text.append(ev.text)
                 ids.extend(ev.token_ids)
             elif isinstance(ev, Finished):
-                return self._json(api.full_response(spec, rid, created, "".join(text), _reason(ev), ev.prompt_tokens,
-                                                    ev.completion_tokens, ids if spec.return_token_ids else None))
+                return self._json(
+                    api.full_response(
+                        spec,
+                        rid,
+                        created,
+                        "".join(text),
+                        _reason(ev),
+                        ev.prompt_tokens,
+                        ev.completion_tokens,
+                        ids if spec.return_token_ids else None,
+                    )
+                )
         raise EngineError("the request ended without finishing")
 
     async def _sse(self, spec: api.GenerationSpec, req: Any, rid: str, created: int) -> AsyncIterator[str]:
@@ -125,13 +151,25 @@ class OpenAIServer:
                 elif isinstance(ev, Finished):
                     yield api.chunk(spec, rid, created, None if spec.kind == "chat" else "", _reason(ev))
                     if spec.include_usage:
-                        yield api.chunk(spec, rid, created, None, empty=True,
-                                        usage_obj=api.usage(ev.prompt_tokens, ev.completion_tokens))
+                        yield api.chunk(
+                            spec,
+                            rid,
+                            created,
+                            None,
+                            empty=True,
+                            usage_obj=api.usage(ev.prompt_tokens, ev.completion_tokens),
+                        )
                     yield api.DONE
                     return
         except EngineError as e:
-            yield api.sse_error(api.APIError(f"The model is unavailable: {e}. Retry the request.", 503,
-                                             type="server_error", code="slice_unavailable"))
+            yield api.sse_error(
+                api.APIError(
+                    f"The model is unavailable: {e}. Retry the request.",
+                    503,
+                    type="server_error",
+                    code="slice_unavailable",
+                )
+            )
         finally:
             await events.aclose()  # a client that went away: cancels the generation, frees the slot
 

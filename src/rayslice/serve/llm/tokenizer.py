@@ -64,8 +64,9 @@ class ByteTokenizer:
         out.append(buf.decode("utf-8", errors="replace"))
         return "".join(out)
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, str]],
-                            add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(
+        self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True
+    ) -> list[int]:
         """Token ids of a conversation in the ChatML template (see the module docstring)."""
         ids: list[int] = []
         for m in messages:
@@ -128,8 +129,8 @@ class StopMatcher:
                 if buf.endswith(s[:n]):
                     keep = n
                     break
-        self._held = buf[len(buf) - keep:] if keep else ""
-        return buf[:len(buf) - keep], False
+        self._held = buf[len(buf) - keep :] if keep else ""
+        return buf[: len(buf) - keep], False
 
     def flush(self) -> str:
         out, self._held = ("" if self.stopped else self._held), ""

@@ -27,8 +27,21 @@ import numpy as np
 from rayslice.serve.llm.model import LMConfig
 from rayslice.serve.llm.tokenizer import EOS_ID
 
-DEFAULT_FILES = ("textwrap.py", "string.py", "glob.py", "fnmatch.py", "bisect.py", "heapq.py", "colorsys.py",
-                 "keyword.py", "shlex.py", "base64.py", "queue.py", "sched.py", "this.py")
+DEFAULT_FILES = (
+    "textwrap.py",
+    "string.py",
+    "glob.py",
+    "fnmatch.py",
+    "bisect.py",
+    "heapq.py",
+    "colorsys.py",
+    "keyword.py",
+    "shlex.py",
+    "base64.py",
+    "queue.py",
+    "sched.py",
+    "this.py",
+)
 
 
 def stdlib_corpus(max_bytes: int = 400_000, files: tuple[str, ...] = DEFAULT_FILES) -> str:
@@ -97,16 +110,28 @@ def lm_train_loop(config: dict[str, Any]) -> None:
         # The same global batch on every host (a seeded draw), each host placing its devices' rows.
         rng = np.random.default_rng((config.get("seed", 0), i))
         starts = rng.integers(0, len(tokens) - seq_len - 1, batch_size)
-        batch = np.stack([tokens[s:s + seq_len + 1] for s in starts])
+        batch = np.stack([tokens[s : s + seq_len + 1] for s in starts])
         gbatch = jax.make_array_from_callback(batch.shape, rows, functools.partial(_rows_of, batch))
         state, loss = step(state, gbatch)
         report({"loss": loss}, checkpoint=state if (i + 1) % every == 0 or i + 1 == config["steps"] else None)
 
 
-def train_tiny_lm(*, lm: LMConfig | None = None, steps: int = 60, batch_size: int = 16, seq_len: int = 64,
-                  lr: float = 3e-3, seed: int = 0, corpus_bytes: int = 200_000, storage_path: str | None = None,
-                  name: str = "tiny-lm", topology: str = "2x2x2", accelerator_type: str = "TPU-V4",
-                  chips_per_host: int | None = None, progress: bool = False) -> Any:
+def train_tiny_lm(
+    *,
+    lm: LMConfig | None = None,
+    steps: int = 60,
+    batch_size: int = 16,
+    seq_len: int = 64,
+    lr: float = 3e-3,
+    seed: int = 0,
+    corpus_bytes: int = 200_000,
+    storage_path: str | None = None,
+    name: str = "tiny-lm",
+    topology: str = "2x2x2",
+    accelerator_type: str = "TPU-V4",
+    chips_per_host: int | None = None,
+    progress: bool = False,
+) -> Any:
     """Trains a byte-level LM on standard-library source with ``JaxTrainer`` on one slice.
 
     Needs a running Ray cluster (e.g. a ``SimulatedCluster``) with a free slice of
@@ -126,14 +151,29 @@ def train_tiny_lm(*, lm: LMConfig | None = None, steps: int = 60, batch_size: in
     if seq_len + 1 > lm.max_len:
         raise ValueError(f"seq_len={seq_len} must be < lm.max_len={lm.max_len}")
     tokens = encode_corpus(stdlib_corpus(corpus_bytes))
-    config = {"lm": lm.to_dict(), "tokens": tokens, "steps": steps, "batch_size": batch_size, "seq_len": seq_len,
-              "lr": lr, "seed": seed, "every": steps}
+    config = {
+        "lm": lm.to_dict(),
+        "tokens": tokens,
+        "steps": steps,
+        "batch_size": batch_size,
+        "seq_len": seq_len,
+        "lr": lr,
+        "seed": seed,
+        "every": steps,
+    }
     trainer = JaxTrainer(
-        lm_train_loop, train_loop_config=config,
-        scaling_config=ScalingConfig(topology=topology, accelerator_type=accelerator_type,
-                                     chips_per_host=chips_per_host),
-        run_config=RunConfig(name=name, storage_path=storage_path or tempfile.mkdtemp(prefix="rayslice-lm-"),
-                             checkpoint_config=CheckpointConfig(num_to_keep=1), progress=progress))
+        lm_train_loop,
+        train_loop_config=config,
+        scaling_config=ScalingConfig(
+            topology=topology, accelerator_type=accelerator_type, chips_per_host=chips_per_host
+        ),
+        run_config=RunConfig(
+            name=name,
+            storage_path=storage_path or tempfile.mkdtemp(prefix="rayslice-lm-"),
+            checkpoint_config=CheckpointConfig(num_to_keep=1),
+            progress=progress,
+        ),
+    )
     result = trainer.fit()
     if result.error is not None:
         raise result.error

@@ -38,8 +38,10 @@ def resolve_step_dir(path: str) -> str:
         steps = _steps(directory)
         if steps:
             return os.path.join(directory, str(steps[-1]))
-    raise FileNotFoundError(f"no checkpoint at {path!r}: expected a step directory (.../checkpoints/<step>), "
-                            "a checkpoints directory or a run directory holding complete steps")
+    raise FileNotFoundError(
+        f"no checkpoint at {path!r}: expected a step directory (.../checkpoints/<step>), "
+        "a checkpoints directory or a run directory holding complete steps"
+    )
 
 
 def load_params(path: str) -> dict[str, Any]:
@@ -51,8 +53,10 @@ def load_params(path: str) -> dict[str, Any]:
     ckptr = ocp.PyTreeCheckpointer()
     tree = ckptr.metadata(state_dir).item_metadata.tree
     if not isinstance(tree, dict) or "params" not in tree:
-        raise ValueError(f"checkpoint {state_dir} holds {sorted(tree) if isinstance(tree, dict) else type(tree)}; "
-                         "expected a 'params' entry (report(..., checkpoint={'params': variables, ...}))")
+        raise ValueError(
+            f"checkpoint {state_dir} holds {sorted(tree) if isinstance(tree, dict) else type(tree)}; "
+            "expected a 'params' entry (report(..., checkpoint={'params': variables, ...}))"
+        )
     restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
     state = ckptr.restore(state_dir, args=ocp.args.PyTreeRestore(restore_args=restore_args))
     params = state["params"]
