@@ -98,7 +98,14 @@ def test_any_string_pair_parses_or_raises_a_value_error_naming_it(topology, acce
 
 
 def test_ray_names_map_onto_the_request():
-    r = request_from_args("2x4", None, "v6e", 2, None, 4, None, {"TPU": 4, "CPU": 1}, 1)
+    r = request_from_args(
+        "2x4",
+        accelerator_version="v6e",
+        num_slices=2,
+        chips_per_vm=4,
+        resources_per_bundle={"TPU": 4, "CPU": 1},
+        tpu_resource_per_chip=1,
+    )
     assert (r.topology.chips_per_host, r.hosts_per_slice, r.num_slices) == (4, 2, 2)
     assert dict(r.resources_per_host) == {"CPU": 1.0}
 
@@ -106,16 +113,16 @@ def test_ray_names_map_onto_the_request():
 @pytest.mark.parametrize(
     ("args", "named"),
     [
-        (("4x4", "v6e", "v5e", None, None, None, None, None, None), "accelerator_version='v5e'"),
-        (("4x4", "v6e", None, None, 4, 8, None, None, None), "chips_per_vm=8"),
-        (("4x4", "v6e", None, None, None, None, None, {"TPU": 1}, None), "'TPU': 4"),
-        (("4x4", "v6e", None, None, None, None, {"CPU": 1}, {"CPU": 1}, None), "resources_per_bundle"),
-        (("4x4", "v6e", None, None, None, None, None, None, 2), "tpu_resource_per_chip=2"),
+        ({"accelerator_version": "v5e"}, "accelerator_version='v5e'"),
+        ({"chips_per_host": 4, "chips_per_vm": 8}, "chips_per_vm=8"),
+        ({"resources_per_bundle": {"TPU": 1}}, "'TPU': 4"),
+        ({"resources_per_host": {"CPU": 1}, "resources_per_bundle": {"CPU": 1}}, "resources_per_bundle"),
+        ({"tpu_resource_per_chip": 2}, "tpu_resource_per_chip=2"),
     ],
 )
 def test_conflicting_or_unsupported_ray_arguments_are_errors(args, named):
     with pytest.raises(InvalidArgument, match=named.replace("(", r"\(")):
-        request_from_args(*args)
+        request_from_args("4x4", "v6e", **args)
 
 
 def test_bundle_label_selectors_per_host_or_per_bundle():

@@ -313,13 +313,10 @@ def explain(
     request = request_from_args(
         topology,
         accelerator_type,
-        accelerator_version,
-        num_slices,
-        chips_per_host,
-        None,
-        resources_per_host,
-        None,
-        None,
+        accelerator_version=accelerator_version,
+        num_slices=num_slices,
+        chips_per_host=chips_per_host,
+        resources_per_host=resources_per_host,
     )
     return plan(request, list_slices())
 
@@ -420,13 +417,13 @@ def slice_placement_group(
     request = request_from_args(
         topology,
         accelerator_type,
-        accelerator_version,
-        num_slices,
-        chips_per_host,
-        chips_per_vm,
-        resources_per_host,
-        resources_per_bundle,
-        tpu_resource_per_chip,
+        accelerator_version=accelerator_version,
+        num_slices=num_slices,
+        chips_per_host=chips_per_host,
+        chips_per_vm=chips_per_vm,
+        resources_per_host=resources_per_host,
+        resources_per_bundle=resources_per_bundle,
+        tpu_resource_per_chip=tpu_resource_per_chip,
     )
     if head_reservation_timeout_s is not None:
         timeout_s = head_reservation_timeout_s

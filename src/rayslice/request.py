@@ -128,14 +128,15 @@ class SliceRequest:
 
 def request_from_args(
     topology: Any,
-    accelerator_type: Any,
-    accelerator_version: Any,
-    num_slices: Any,
-    chips_per_host: Any,
-    chips_per_vm: Any,
-    resources_per_host: Any,
-    resources_per_bundle: Any,
-    tpu_resource_per_chip: Any,
+    accelerator_type: Any = None,
+    *,
+    accelerator_version: Any = None,
+    num_slices: Any = None,
+    chips_per_host: Any = None,
+    chips_per_vm: Any = None,
+    resources_per_host: Any = None,
+    resources_per_bundle: Any = None,
+    tpu_resource_per_chip: Any = None,
 ) -> SliceRequest:
     """One SliceRequest from rayslice's or Ray's spelling of the same arguments.
 
@@ -144,7 +145,8 @@ def request_from_args(
     spellings of one thing with different values is an error.
 
     Example:
-        >>> request_from_args("4x4", None, "v6e", 1, None, None, None, {"TPU": 4, "CPU": 1}, None).bundle_resources
+        >>> r = request_from_args("4x4", accelerator_version="v6e", resources_per_bundle={"TPU": 4, "CPU": 1})
+        >>> r.bundle_resources
         {'TPU': 4.0, 'CPU': 1.0}
     """
     if accelerator_version is not None:
