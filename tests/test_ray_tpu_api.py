@@ -27,6 +27,13 @@ def _wait_for(condition, timeout_s: float = 20.0) -> bool:
     return condition()
 
 
+class _Where:
+    def node(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
+
 def _hostname_task():
     import ray
 
@@ -56,8 +63,10 @@ def test_handle_constructed_like_rays_reserves_and_exposes_rays_properties(ray_c
         handle.release_head_pgs()  # a no-op, as Ray's after ready()
         with pytest.raises(ValueError, match="pg_per_slice=False"):
             handle.slice_placement_groups  # noqa: B018 - Ray's handle refuses this too
-        where = _hostname_task()
-        refs = [
+        # Actors hold their chips while they live, so two of them need both hosts' bundles
+        # (short tasks could run one after the other on the same bundle).
+        where = ray.remote(_Where)
+        actors = [
             where.options(
                 num_cpus=0,
                 resources={"TPU": 4},
@@ -65,8 +74,10 @@ def test_handle_constructed_like_rays_reserves_and_exposes_rays_properties(ray_c
             ).remote()
             for _ in range(handle.num_hosts)
         ]
-        nodes = ray.get(refs, timeout=60)
-        assert len({n for n, _, _ in nodes}) == 2  # one task per host of the slice
+        nodes = ray.get([a.node.remote() for a in actors], timeout=60)
+        for a in actors:
+            ray.kill(a)
+        assert len(set(nodes)) == 2  # one per host of the slice
     finally:
         handle.shutdown()
     handle.shutdown()  # idempotent
