@@ -22,6 +22,7 @@ import tempfile
 import time
 from typing import Any
 
+
 def _ship_by_value() -> None:
     # Hosts cannot import benchmarks/ or tests/: send these functions by value.
     from ray import cloudpickle
@@ -73,9 +74,12 @@ def _ours(steps: int, storage: str) -> tuple[float, float]:
 
     marks = tempfile.mkdtemp(dir=storage)
     t0 = time.time()
-    r = JaxTrainer(tiny_loop, train_loop_config={"steps": steps, "ray": False, "marks": marks},
-                   scaling_config=ScalingConfig(topology="2x2x2", accelerator_type="TPU-V4"),
-                   run_config=RunConfig(name=f"bench-{time.time_ns()}", storage_path=storage, progress=False)).fit()
+    r = JaxTrainer(
+        tiny_loop,
+        train_loop_config={"steps": steps, "ray": False, "marks": marks},
+        scaling_config=ScalingConfig(topology="2x2x2", accelerator_type="TPU-V4"),
+        run_config=RunConfig(name=f"bench-{time.time_ns()}", storage_path=storage, progress=False),
+    ).fit()
     total = time.time() - t0
     assert r.error is None, r.error
     return _first_step(marks) - t0, total
@@ -87,10 +91,14 @@ def _ray(steps: int, storage: str) -> tuple[float, float]:
 
     marks = tempfile.mkdtemp(dir=storage)
     t0 = time.time()
-    trainer = JaxTrainer(tiny_loop, train_loop_config={"steps": steps, "ray": True, "marks": marks},
-                         scaling_config=ScalingConfig(use_tpu=True, num_workers=2, topology="2x2x2",
-                                                      accelerator_type="TPU-V4", resources_per_worker={"TPU": 4}),
-                         run_config=RunConfig(name=f"raybench-{time.time_ns()}", storage_path=storage))
+    trainer = JaxTrainer(
+        tiny_loop,
+        train_loop_config={"steps": steps, "ray": True, "marks": marks},
+        scaling_config=ScalingConfig(
+            use_tpu=True, num_workers=2, topology="2x2x2", accelerator_type="TPU-V4", resources_per_worker={"TPU": 4}
+        ),
+        run_config=RunConfig(name=f"raybench-{time.time_ns()}", storage_path=storage),
+    )
     r = trainer.fit()
     total = time.time() - t0
     assert r.error is None, r.error
@@ -108,8 +116,13 @@ def compare(rounds: int = 3, steps: int = 5) -> dict[str, Any]:
             theirs.append(_ray(steps, storage))
     f_ours, t_ours = statistics.median(o[0] for o in ours), statistics.median(o[1] for o in ours)
     f_ray, t_ray = statistics.median(o[0] for o in theirs), statistics.median(o[1] for o in theirs)
-    return {"rounds": rounds, "first_step_s": {"rayslice": f_ours, "ray": f_ray}, "fit_s": {"rayslice": t_ours, "ray": t_ray},
-            "first_ratio": f_ours / f_ray, "fit_ratio": t_ours / t_ray}
+    return {
+        "rounds": rounds,
+        "first_step_s": {"rayslice": f_ours, "ray": f_ray},
+        "fit_s": {"rayslice": t_ours, "ray": t_ray},
+        "first_ratio": f_ours / f_ray,
+        "fit_ratio": t_ours / t_ray,
+    }
 
 
 def overhead(steps: int = 300) -> dict[str, float]:
@@ -119,14 +132,21 @@ def overhead(steps: int = 300) -> dict[str, float]:
     from tests import train_loops  # the same loop the tests use
 
     with tempfile.TemporaryDirectory(prefix="rs-bench-") as storage:
-        r = JaxTrainer(train_loops.overhead_loop, train_loop_config={"steps": steps},
-                       scaling_config=ScalingConfig(topology="2x2x2", accelerator_type="TPU-V4"),
-                       run_config=RunConfig(name=f"overhead-{time.time_ns()}", storage_path=storage,
-                                            progress=False)).fit()
+        r = JaxTrainer(
+            train_loops.overhead_loop,
+            train_loop_config={"steps": steps},
+            scaling_config=ScalingConfig(topology="2x2x2", accelerator_type="TPU-V4"),
+            run_config=RunConfig(name=f"overhead-{time.time_ns()}", storage_path=storage, progress=False),
+        ).fit()
     assert r.error is None, r.error
     m = r.metrics
-    return {"steps": steps, "bare_ms": 1000 * m["bare_s"] / steps, "reported_ms": 1000 * m["reported_s"] / steps,
-            "overhead": m["overhead"], "report_us": m["report_us"]}
+    return {
+        "steps": steps,
+        "bare_ms": 1000 * m["bare_s"] / steps,
+        "reported_ms": 1000 * m["reported_s"] / steps,
+        "overhead": m["overhead"],
+        "report_us": m["report_us"],
+    }
 
 
 def recovery(sim: Any) -> dict[str, float]:
@@ -148,10 +168,79 @@ def recovery(sim: Any) -> dict[str, float]:
             marks["next"] = time.time()
 
     with tempfile.TemporaryDirectory(prefix="rs-bench-") as storage:
-        r = JaxTrainer(train_loops.regression_loop, train_loop_config={"rows": 160, "every": 2, "sleep_s": 0.1},
-                       scaling_config=ScalingConfig(topology="2x2x2", accelerator_type="TPU-V4"),
-                       run_config=RunConfig(name=f"recovery-{time.time_ns()}", storage_path=storage,
-                                            progress=False, failure_config=FailureConfig(max_preemptions=1),
-                                            callbacks=[chaos])).fit()
+        r = JaxTrainer(
+            train_loops.regression_loop,
+            train_loop_config={"rows": 160, "every": 2, "sleep_s": 0.1},
+            scaling_config=ScalingConfig(topology="2x2x2", accelerator_type="TPU-V4"),
+            run_config=RunConfig(
+                name=f"recovery-{time.time_ns()}",
+                storage_path=storage,
+                progress=False,
+                failure_config=FailureConfig(max_preemptions=1),
+                callbacks=[chaos],
+            ),
+        ).fit()
     assert r.error is None and r.preemptions == 1, r.error
     return {"recovery_s": marks["next"] - marks["lost"], "lost_s": r.goodput.seconds["lost"]}
+
+
+GOAL_NOTICE_LOST_STEPS = 0
+
+
+def notice(sim: Any, grace_s: float = 20.0) -> dict[str, Any]:
+    """A preemption notice with ``grace_s`` (>= one step + one save) mid-run: lost steps, measured (goal 0)."""
+    import rayslice
+    from rayslice.train import FailureConfig, JaxTrainer, RunConfig, ScalingConfig
+
+    _ship_by_value()
+    from tests import train_loops
+
+    from rayslice.sim import SliceSpec
+
+    # Slices of its own (a shape nothing else uses): the notice ends one host of one of them.
+    own = [sim.add_slice(SliceSpec("TPU-V5P", "2x2x2", name=f"bench-notice-{i}")) for i in range(2)]
+    fired: list[str] = []
+
+    def chaos(report: dict) -> None:
+        if report["step"] >= 4 and not fired:
+            busy = [s.name for s in rayslice.list_slices() if s.state == "busy" and s.name in own][0]
+            fired.append(busy)
+            sim.notify_preemption(busy, 1, grace_s=grace_s)  # SIGTERM now, the host dies after grace_s
+
+    with tempfile.TemporaryDirectory(prefix="rs-bench-") as storage:
+        r = JaxTrainer(
+            train_loops.regression_loop,
+            train_loop_config={"rows": 160, "every": 100, "sleep_s": 0.1},
+            scaling_config=ScalingConfig(topology="2x2x2", accelerator_type="TPU-V5P"),
+            run_config=RunConfig(
+                name=f"notice-{time.time_ns()}",
+                storage_path=storage,
+                progress=False,
+                failure_config=FailureConfig(max_preemptions=1),
+                callbacks=[chaos],
+            ),
+        ).fit()
+    assert r.error is None and r.preemptions == 1, r.error
+    end = r.goodput.endings[0]
+    steps = [h["step"] for h in r.metrics_history]
+    return {
+        "lost_steps": r.goodput.lost_steps,
+        "recomputed": len(steps) - len(set(steps)),
+        "reason": end.reason,
+        "save_step": end.step,
+        "emergency_save_s": end.emergency_save_s,
+        "grace_s": grace_s,
+    }
+
+
+def notice_row(n: dict[str, Any]) -> tuple[str, ...]:
+    """The benchmark table row of :func:`notice`: (figure, rayslice, peer, ratio, goal, met)."""
+    ok = n["lost_steps"] <= GOAL_NOTICE_LOST_STEPS and n["recomputed"] == 0 and n["reason"] == "notice"
+    return (
+        f"preemption with a notice ({n['grace_s']:g} s grace) -> lost steps",
+        f"{n['lost_steps']} (saved step {n['save_step']} in {n['emergency_save_s'] or 0:.2f} s)",
+        "-",
+        "-",
+        f"{GOAL_NOTICE_LOST_STEPS}",
+        "[green]yes[/green]" if ok else "[red]NO[/red]",
+    )

@@ -59,6 +59,7 @@ def main() -> int:
             srv = bench_serve.run()
         with console.status("recovery after a lost host"):
             rec = bench_train.recovery(sim)  # last: it breaks a slice
+            notice_row = bench_train.notice_row(bench_train.notice(sim))  # on slices of its own
     finally:
         sim.shutdown()
     with console.status(f"data feeding, {args.rows:,} rows (own process)"):
@@ -209,6 +210,7 @@ def main() -> int:
         f"<= {bench_train.GOAL_RECOVERY_S:g} s",
         _met(rec["recovery_s"] <= bench_train.GOAL_RECOVERY_S),
     )
+    t.add_row(*notice_row)
     console.print(t)
     console.print(
         f"p90 reservation cycle: rayslice {cycle['rayslice_p90_ms']:.1f} ms, ray.util.tpu {cycle['ray_p90_ms']:.1f} ms"

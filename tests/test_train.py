@@ -55,9 +55,14 @@ def _restore_in_separate_process(checkpoint_dir: str) -> dict:
 
 def test_trains_checkpoints_and_restores_with_plain_orbax(ray_cluster, tmp_path):
     cfg = {"rows": 160, "every": 4}
-    result = JaxTrainer(train_loops.regression_loop, train_loop_config=cfg, scaling_config=V4,
-                        run_config=RunConfig(name="basic", storage_path=str(tmp_path), progress=False,
-                                             checkpoint_config=CheckpointConfig(num_to_keep=2))).fit()
+    result = JaxTrainer(
+        train_loops.regression_loop,
+        train_loop_config=cfg,
+        scaling_config=V4,
+        run_config=RunConfig(
+            name="basic", storage_path=str(tmp_path), progress=False, checkpoint_config=CheckpointConfig(num_to_keep=2)
+        ),
+    ).fit()
     assert result.error is None, result.error
     losses = [m["loss"] for m in result.metrics_history]
     assert len(losses) == 20 and [m["step"] for m in result.metrics_history] == list(range(1, 21))
@@ -98,8 +103,13 @@ def test_preemption_mid_run_gives_bitwise_identical_params(ray_cluster, chaos_sl
     # Ray Data input: 320 rows, split over 2 hosts, 8 rows per host per step = 20 steps.
     cfg = {"ray_data": True, "every": 4, "sleep_s": 0.25}
     datasets = {"train": ray.data.range(320).map_batches(train_loops.regression_rows)}
-    plain = JaxTrainer(train_loops.regression_loop, train_loop_config=cfg, scaling_config=V5P, datasets=datasets,
-                       run_config=RunConfig(name="plain", storage_path=str(tmp_path), progress=False)).fit()
+    plain = JaxTrainer(
+        train_loops.regression_loop,
+        train_loop_config=cfg,
+        scaling_config=V5P,
+        datasets=datasets,
+        run_config=RunConfig(name="plain", storage_path=str(tmp_path), progress=False),
+    ).fit()
     assert plain.error is None, plain.error
 
     fired = []
@@ -110,10 +120,19 @@ def test_preemption_mid_run_gives_bitwise_identical_params(ray_cluster, chaos_sl
             fired.append(busy[0])
             ray_cluster.preempt_host(busy[0], 1)
 
-    chaos = JaxTrainer(train_loops.regression_loop, train_loop_config=cfg, scaling_config=V5P, datasets=datasets,
-                       run_config=RunConfig(name="chaos", storage_path=str(tmp_path), progress=False,
-                                            failure_config=FailureConfig(max_preemptions=2),
-                                            callbacks=[preempt_at_step_6])).fit()
+    chaos = JaxTrainer(
+        train_loops.regression_loop,
+        train_loop_config=cfg,
+        scaling_config=V5P,
+        datasets=datasets,
+        run_config=RunConfig(
+            name="chaos",
+            storage_path=str(tmp_path),
+            progress=False,
+            failure_config=FailureConfig(max_preemptions=2),
+            callbacks=[preempt_at_step_6],
+        ),
+    ).fit()
     assert chaos.error is None, chaos.error
     assert fired and chaos.preemptions == 1 and chaos.attempts == 2 and chaos.failures == 0
     assert chaos.metrics["restored_from"] in (4, 8, 12)  # resumed from a checkpoint, on the other slice
@@ -130,9 +149,14 @@ def test_preemption_mid_run_gives_bitwise_identical_params(ray_cluster, chaos_sl
 
 
 def test_user_exception_reaches_result_without_retry(ray_cluster, tmp_path):
-    result = JaxTrainer(train_loops.failing_loop, train_loop_config={}, scaling_config=V4,
-                        run_config=RunConfig(name="fails", storage_path=str(tmp_path), progress=False,
-                                             failure_config=FailureConfig(max_failures=0))).fit()
+    result = JaxTrainer(
+        train_loops.failing_loop,
+        train_loop_config={},
+        scaling_config=V4,
+        run_config=RunConfig(
+            name="fails", storage_path=str(tmp_path), progress=False, failure_config=FailureConfig(max_failures=0)
+        ),
+    ).fit()
     assert isinstance(result.error, ValueError)
     assert "loss is NaN at step 2 (injected)" in str(result.error)
     assert "failing_loop" in str(result.error)  # the worker's traceback
@@ -141,16 +165,26 @@ def test_user_exception_reaches_result_without_retry(ray_cluster, tmp_path):
 
 
 def test_user_errors_retry_within_budget(ray_cluster, tmp_path):
-    result = JaxTrainer(train_loops.failing_loop, train_loop_config={"rank": 0}, scaling_config=V4,
-                        run_config=RunConfig(name="retries", storage_path=str(tmp_path), progress=False,
-                                             failure_config=FailureConfig(max_failures=1))).fit()
+    result = JaxTrainer(
+        train_loops.failing_loop,
+        train_loop_config={"rank": 0},
+        scaling_config=V4,
+        run_config=RunConfig(
+            name="retries", storage_path=str(tmp_path), progress=False, failure_config=FailureConfig(max_failures=1)
+        ),
+    ).fit()
     assert isinstance(result.error, ValueError) and (result.attempts, result.failures) == (2, 2)
 
 
 def test_crash_mid_save_keeps_the_previous_checkpoint(ray_cluster, tmp_path):
-    result = JaxTrainer(train_loops.crash_mid_save_loop, train_loop_config={}, scaling_config=V4,
-                        run_config=RunConfig(name="crash", storage_path=str(tmp_path), progress=False,
-                                             failure_config=FailureConfig(max_preemptions=1))).fit()
+    result = JaxTrainer(
+        train_loops.crash_mid_save_loop,
+        train_loop_config={},
+        scaling_config=V4,
+        run_config=RunConfig(
+            name="crash", storage_path=str(tmp_path), progress=False, failure_config=FailureConfig(max_preemptions=1)
+        ),
+    ).fit()
     assert result.error is None, result.error
     assert result.preemptions == 1
     assert result.metrics["restored_from"] == 1 and result.metrics["sum"] == 1.0  # step 1's values, intact
@@ -158,9 +192,12 @@ def test_crash_mid_save_keeps_the_previous_checkpoint(ray_cluster, tmp_path):
 
 def test_two_slices_one_mesh(ray_cluster, tmp_path):
     sc = ScalingConfig(topology="2x2x2", accelerator_type="TPU-V4", num_slices=2, init_timeout_s=120)
-    result = JaxTrainer(train_loops.regression_loop, train_loop_config={"rows": 32, "every": 100},
-                        scaling_config=sc,
-                        run_config=RunConfig(name="multislice", storage_path=str(tmp_path), progress=False)).fit()
+    result = JaxTrainer(
+        train_loops.regression_loop,
+        train_loop_config={"rows": 32, "every": 100},
+        scaling_config=sc,
+        run_config=RunConfig(name="multislice", storage_path=str(tmp_path), progress=False),
+    ).fit()
     assert result.error is None, result.error
     m = result.metrics
     assert (m["world_size"], m["process_count"], m["device_count"], m["num_slices"]) == (4, 4, 16, 2)
@@ -169,8 +206,11 @@ def test_two_slices_one_mesh(ray_cluster, tmp_path):
 
 def test_gang_that_cannot_form_fails_instead_of_hanging(ray_cluster, tmp_path):
     sc = ScalingConfig(topology="2x2x2", accelerator_type="TPU-V4", init_timeout_s=0.001)
-    result = JaxTrainer(train_loops.failing_loop, scaling_config=sc,
-                        run_config=RunConfig(name="noinit", storage_path=str(tmp_path), progress=False)).fit()
+    result = JaxTrainer(
+        train_loops.failing_loop,
+        scaling_config=sc,
+        run_config=RunConfig(name="noinit", storage_path=str(tmp_path), progress=False),
+    ).fit()
     assert isinstance(result.error, GangError) and result.error.outcome is Outcome.TIMEOUT
     assert live_groups(PG_NAME_PREFIX) == []
 

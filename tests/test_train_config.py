@@ -76,8 +76,11 @@ def test_resources_per_worker_is_rays_name_for_per_host_resources():
     sc = ScalingConfig(**V4, resources_per_worker={"TPU": 4, "CPU": 2})
     assert sc.request.bundle_resources == {"TPU": 4.0, "CPU": 2.0}
     _refused("scaling", "resources_per_worker['TPU']", lambda: ScalingConfig(**V4, resources_per_worker={"TPU": 1}))
-    _refused("scaling", "resources_per_worker",
-             lambda: ScalingConfig(**V4, resources_per_worker={"CPU": 1}, resources_per_host={"CPU": 1}))
+    _refused(
+        "scaling",
+        "resources_per_worker",
+        lambda: ScalingConfig(**V4, resources_per_worker={"CPU": 1}, resources_per_host={"CPU": 1}),
+    )
 
 
 def test_num_workers_that_does_not_fill_whole_slices_names_both_counts():
@@ -189,9 +192,19 @@ def test_result_offers_rays_attributes():
     from rayslice.train import Checkpoint
 
     a, b = Checkpoint("/r/checkpoints/4"), Checkpoint("/r/checkpoints/8")
-    r = Result(metrics={"loss": 0.5}, metrics_history=[{"step": 1, "loss": 1.0}, {"step": 2, "loss": 0.5}],
-               checkpoint=b, path="/r", error=None, goodput=GoodputTracker().finish(), attempts=1, preemptions=0,
-               failures=0, name="r", best_checkpoints=[(a, {"loss": 0.2}), (b, {"loss": 0.5})])
+    r = Result(
+        metrics={"loss": 0.5},
+        metrics_history=[{"step": 1, "loss": 1.0}, {"step": 2, "loss": 0.5}],
+        checkpoint=b,
+        path="/r",
+        error=None,
+        goodput=GoodputTracker().finish(),
+        attempts=1,
+        preemptions=0,
+        failures=0,
+        name="r",
+        best_checkpoints=[(a, {"loss": 0.2}), (b, {"loss": 0.5})],
+    )
     assert list(r.metrics_dataframe["loss"]) == [1.0, 0.5]
     assert r.get_best_checkpoint("loss", "min") == a and r.get_best_checkpoint("loss", "max") == b
     assert r.get_best_checkpoint("accuracy", "max") is None
@@ -202,17 +215,36 @@ def test_result_offers_rays_attributes():
 def test_metrics_keep_their_json_types():
     import numpy as np
 
-    value = {"losses": [0.5, np.float32(0.25)], "per_class": {"a": np.arange(3)}, "name": "run",
-             "n": np.int64(3), "ok": True, "none": None, "pair": (1, 2)}
+    value = {
+        "losses": [0.5, np.float32(0.25)],
+        "per_class": {"a": np.arange(3)},
+        "name": "run",
+        "n": np.int64(3),
+        "ok": True,
+        "none": None,
+        "pair": (1, 2),
+    }
     plain = _plain(value)
-    assert plain == {"losses": [0.5, 0.25], "per_class": {"a": [0, 1, 2]}, "name": "run", "n": 3, "ok": True,
-                     "none": None, "pair": (1, 2)}
+    assert plain == {
+        "losses": [0.5, 0.25],
+        "per_class": {"a": [0, 1, 2]},
+        "name": "run",
+        "n": 3,
+        "ok": True,
+        "none": None,
+        "pair": (1, 2),
+    }
     assert type(plain["n"]) is int and type(plain["losses"][1]) is float
 
 
 # -- properties: bad values of every config field ------------------------------------
-_not_int = st.one_of(st.floats(allow_nan=True), st.text(max_size=5), st.booleans(), st.lists(st.integers(), max_size=2),
-                     st.dictionaries(st.text(max_size=2), st.integers(), max_size=1))
+_not_int = st.one_of(
+    st.floats(allow_nan=True),
+    st.text(max_size=5),
+    st.booleans(),
+    st.lists(st.integers(), max_size=2),
+    st.dictionaries(st.text(max_size=2), st.integers(), max_size=1),
+)
 _not_number = st.one_of(st.text(max_size=5), st.booleans(), st.lists(st.floats(), max_size=2), st.just(None))
 
 
@@ -229,47 +261,74 @@ def test_counts_below_one_are_refused(field, value):
 
 
 @settings(max_examples=60, deadline=None)
-@given(field=st.sampled_from(["reservation_timeout_s", "init_timeout_s"]),
-       value=st.one_of(_not_number, st.floats(max_value=0), st.just(math.inf), st.just(math.nan)))
+@given(
+    field=st.sampled_from(["reservation_timeout_s", "init_timeout_s"]),
+    value=st.one_of(_not_number, st.floats(max_value=0), st.just(math.inf), st.just(math.nan)),
+)
 def test_timeouts_must_be_positive_finite_numbers(field, value):
     _refused("scaling", field, lambda: ScalingConfig(**V4, **{field: value}))
 
 
 @settings(max_examples=40, deadline=None)
-@given(value=st.one_of(st.dictionaries(st.text(min_size=1, max_size=4).filter(lambda k: k != "TPU"),
-                                       st.floats(max_value=-0.01), min_size=1, max_size=2),
-                       st.lists(st.integers(), max_size=2), st.text(max_size=4).filter(bool)))
+@given(
+    value=st.one_of(
+        st.dictionaries(
+            st.text(min_size=1, max_size=4).filter(lambda k: k != "TPU"),
+            st.floats(max_value=-0.01),
+            min_size=1,
+            max_size=2,
+        ),
+        st.lists(st.integers(), max_size=2),
+        st.text(max_size=4).filter(bool),
+    )
+)
 def test_bad_resources_per_host_are_refused(value):
     _refused("scaling", "resources_per_host", lambda: ScalingConfig(**V4, resources_per_host=value))
 
 
 @settings(max_examples=60, deadline=None)
-@given(field=st.sampled_from(["max_failures", "max_preemptions", "max_preemption_failures"]),
-       value=st.one_of(_not_int, st.integers(max_value=-2)))
+@given(
+    field=st.sampled_from(["max_failures", "max_preemptions", "max_preemption_failures"]),
+    value=st.one_of(_not_int, st.integers(max_value=-2)),
+)
 def test_failure_budgets_refuse_bad_values(field, value):
     _refused("failure", field, lambda: FailureConfig(**{field: value}))
 
 
 @settings(max_examples=40, deadline=None)
-@given(field=st.sampled_from(["num_to_keep", "async_save", "checkpoint_score_order", "checkpoint_score_attribute"]),
-       value=st.one_of(st.floats(), st.integers(max_value=0), st.text(max_size=3).filter(lambda s: s not in
-                                                                                        ("max", "min")),
-                       st.lists(st.integers(), max_size=1)))
+@given(
+    field=st.sampled_from(["num_to_keep", "async_save", "checkpoint_score_order", "checkpoint_score_attribute"]),
+    value=st.one_of(
+        st.floats(),
+        st.integers(max_value=0),
+        st.text(max_size=3).filter(lambda s: s not in ("max", "min")),
+        st.lists(st.integers(), max_size=1),
+    ),
+)
 def test_checkpoint_config_refuses_bad_values(field, value):
-    valid = {"num_to_keep": lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 1),
-             "async_save": lambda v: isinstance(v, bool),
-             "checkpoint_score_order": lambda v: v in ("max", "min"),
-             "checkpoint_score_attribute": lambda v: v is None or (isinstance(v, str) and v.strip())}[field]
+    valid = {
+        "num_to_keep": lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 1),
+        "async_save": lambda v: isinstance(v, bool),
+        "checkpoint_score_order": lambda v: v in ("max", "min"),
+        "checkpoint_score_attribute": lambda v: v is None or (isinstance(v, str) and v.strip()),
+    }[field]
     if valid(value):
         return
     _refused("checkpoint", field, lambda: CheckpointConfig(**{field: value}))
 
 
 @settings(max_examples=60, deadline=None)
-@given(field=st.sampled_from(["name", "storage_path", "progress", "callbacks", "checkpoint_config",
-                              "failure_config", "worker_runtime_env"]),
-       value=st.one_of(st.integers(), st.floats(), st.text(min_size=1, max_size=4).filter(lambda s: not s.isalnum()),
-                       st.lists(st.integers(), min_size=1, max_size=2)))
+@given(
+    field=st.sampled_from(
+        ["name", "storage_path", "progress", "callbacks", "checkpoint_config", "failure_config", "worker_runtime_env"]
+    ),
+    value=st.one_of(
+        st.integers(),
+        st.floats(),
+        st.text(min_size=1, max_size=4).filter(lambda s: not s.isalnum()),
+        st.lists(st.integers(), min_size=1, max_size=2),
+    ),
+)
 def test_run_config_refuses_bad_values(field, value):
     if field == "storage_path" and isinstance(value, str) and value.strip() and "://" not in value:
         return  # any other non-empty string is a (relative) path

@@ -49,9 +49,11 @@ class Recorder(UserCallback):
 def test_a_ray_train_loop_runs_with_fresh_runs_and_explicit_resume(ray_cluster, tmp_path):
     recorder = Recorder()
     trainer = JaxTrainer(
-        train_loops.ray_style_loop, train_loop_config={"epochs": 3},
+        train_loops.ray_style_loop,
+        train_loop_config={"epochs": 3},
         scaling_config=ScalingConfig(num_workers=2, use_tpu=True, topology="2x2x2", accelerator_type="TPU-V4"),
-        run_config=RunConfig(storage_path=str(tmp_path), callbacks=[recorder], progress=False))
+        run_config=RunConfig(storage_path=str(tmp_path), callbacks=[recorder], progress=False),
+    )
     first = trainer.fit()
     assert first.error is None, first.error
     assert first.name.startswith("rayslice_run-") and first.path == str(tmp_path / first.name)
@@ -75,9 +77,11 @@ def test_a_ray_train_loop_runs_with_fresh_runs_and_explicit_resume(ray_cluster, 
     assert second.metrics["resumed_from"] == 0
 
     resumed = JaxTrainer(  # resuming is explicit: the earlier run's name
-        train_loops.ray_style_loop, train_loop_config={"epochs": 1},
+        train_loops.ray_style_loop,
+        train_loop_config={"epochs": 1},
         scaling_config=ScalingConfig(num_workers=2, use_tpu=True, topology="2x2x2", accelerator_type="TPU-V4"),
-        run_config=RunConfig(name=first.name, storage_path=str(tmp_path), progress=False)).fit()
+        run_config=RunConfig(name=first.name, storage_path=str(tmp_path), progress=False),
+    ).fit()
     assert resumed.error is None and resumed.metrics["resumed_from"] == 3 and resumed.metrics["epoch"] == 4
     assert resumed.path == first.path
 
@@ -86,13 +90,21 @@ def test_trains_on_a_held_slice_with_host_local_checkpoint_leaves(ray_cluster, t
     spg = rayslice.slice_placement_group("2x2x2", "TPU-V4", timeout_s=60, progress=False)
     try:
         with pytest.raises(InvalidArgument, match="tpu_slice=.* expected a reservation of 2 x v4 2x2x2"):
-            JaxTrainer(train_loops.host_local_leaves_loop, tpu_slice=spg,
-                       scaling_config=ScalingConfig(topology="2x2x2", accelerator_type="TPU-V4", num_slices=2))
+            JaxTrainer(
+                train_loops.host_local_leaves_loop,
+                tpu_slice=spg,
+                scaling_config=ScalingConfig(topology="2x2x2", accelerator_type="TPU-V4", num_slices=2),
+            )
         result = JaxTrainer(
-            train_loops.host_local_leaves_loop, tpu_slice=spg,  # no scaling_config: the held slice says it all
-            run_config=RunConfig(storage_path=str(tmp_path), progress=False,
-                                 checkpoint_config=CheckpointConfig(async_save=False),
-                                 worker_runtime_env={"env_vars": {"RAYSLICE_TEST_ENV": "from-runtime-env"}})).fit()
+            train_loops.host_local_leaves_loop,
+            tpu_slice=spg,  # no scaling_config: the held slice says it all
+            run_config=RunConfig(
+                storage_path=str(tmp_path),
+                progress=False,
+                checkpoint_config=CheckpointConfig(async_save=False),
+                worker_runtime_env={"env_vars": {"RAYSLICE_TEST_ENV": "from-runtime-env"}},
+            ),
+        ).fit()
         assert result.error is None, result.error
         m = result.metrics
         assert (m["w"], m["n"], m["lr"], m["count"]) == ([0.0, 1.0, 2.0, 3.0], [0, 1, 2], 0.5, 7)

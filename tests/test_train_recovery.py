@@ -124,8 +124,12 @@ def test_goodput_per_attempt_adds_up_to_the_run():
     for attempt in range(2):
         g.begin_attempt()
         g.add("startup", 1.0)
-        g.on_reports([{"step": 1, "step_s": 2.0 if attempt == 0 else 0.2, "stall_s": 0.0, "first": True},
-                      {"step": 2, "step_s": 1.0, "stall_s": 0.0, "first": False}])
+        g.on_reports(
+            [
+                {"step": 1, "step_s": 2.0 if attempt == 0 else 0.2, "stall_s": 0.0, "first": True},
+                {"step": 2, "step_s": 1.0, "stall_s": 0.0, "first": False},
+            ]
+        )
         if attempt == 0:
             g.on_failure(None, unreported_s=1.0, detection_s=0.5)
     out = g.finish()
@@ -138,8 +142,12 @@ def test_goodput_per_attempt_adds_up_to_the_run():
 
 def test_detection_time_is_its_own_goodput_component():
     g = GoodputTracker(clock=iter([0.0, 10.0]).__next__)
-    g.on_reports([{"step": 1, "step_s": 1.0, "stall_s": 0.0, "first": True},
-                  {"step": 2, "step_s": 1.0, "stall_s": 0.0, "first": False}])
+    g.on_reports(
+        [
+            {"step": 1, "step_s": 1.0, "stall_s": 0.0, "first": True},
+            {"step": 2, "step_s": 1.0, "stall_s": 0.0, "first": False},
+        ]
+    )
     g.on_failure(None, unreported_s=2.0, detection_s=1.5)
     out = g.finish()
     assert out.seconds["detection"] == 1.5 and out.seconds["lost"] == 1.0 + 0.5 and out.lost_steps == 2
@@ -162,11 +170,18 @@ def test_a_hung_host_is_found_by_the_step_deadline_and_the_run_restarts(ray_clus
             self.errors.extend(worker_exceptions.values())
 
     seen = Seen()
-    result = JaxTrainer(train_loops.hang_loop, train_loop_config={"steps": 5, "hang_at": 3},
-                        scaling_config=ScalingConfig(topology="2x2x2", accelerator_type="TPU-V4"),
-                        run_config=RunConfig(name="hung", storage_path=str(tmp_path), progress=False,
-                                             failure_config=FailureConfig(max_failures=1, step_timeout_s=2),
-                                             callbacks=[seen])).fit()
+    result = JaxTrainer(
+        train_loops.hang_loop,
+        train_loop_config={"steps": 5, "hang_at": 3},
+        scaling_config=ScalingConfig(topology="2x2x2", accelerator_type="TPU-V4"),
+        run_config=RunConfig(
+            name="hung",
+            storage_path=str(tmp_path),
+            progress=False,
+            failure_config=FailureConfig(max_failures=1, step_timeout_s=2),
+            callbacks=[seen],
+        ),
+    ).fit()
     assert result.error is None, result.error
     assert (result.attempts, result.failures, result.preemptions) == (2, 1, 0)
     (err,) = seen.errors

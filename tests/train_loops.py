@@ -19,7 +19,7 @@ def regression_loop(config: dict) -> None:
     from jax.sharding import PartitionSpec as P
 
     from rayslice.data import iter_jax_batches
-    from rayslice.train import get_checkpoint, get_context, report
+    from rayslice.train import get_checkpoint, get_context, report, save_requested
 
     ctx = get_context()
     mesh = jax.make_mesh((jax.device_count(),), ("data",))
@@ -46,8 +46,14 @@ def regression_loop(config: dict) -> None:
         rng = np.random.default_rng(ctx.world_rank)
         x = rng.standard_normal((config["rows"], 4)).astype(np.float32)
         source = [{"x": x, "y": (x @ np.array(W_TRUE, np.float32)).astype(np.float32)}]
-    it = iter_jax_batches(source, batch_size=8, state=data_state, ragged="drop", columns=["x", "y"],
-                          sharding=NamedSharding(mesh, P("data")))
+    it = iter_jax_batches(
+        source,
+        batch_size=8,
+        state=data_state,
+        ragged="drop",
+        columns=["x", "y"],
+        sharding=NamedSharding(mesh, P("data")),
+    )
 
     @jax.jit
     def step(state, batch):
@@ -61,13 +67,23 @@ def regression_loop(config: dict) -> None:
     for batch in it:
         state, loss = step(state, batch)
         n = it.state()["batches"]
-        time.sleep(config.get("sleep_s", 0.0))
-        extra = {"restored_from": ckpt.step if ckpt else 0, "world_rank": ctx.world_rank,
-                 "world_size": ctx.world_size, "process_count": jax.process_count(),
-                 "device_count": jax.device_count(), "local_device_count": ctx.local_device_count,
-                 "num_slices": ctx.num_slices, "slice_index": ctx.slice_index, "worker_id": ctx.worker_id,
-                 "megascale_slices": os.environ.get("MEGASCALE_NUM_SLICES", "")}
-        report({"loss": loss, **extra}, checkpoint={**state, "data": it} if n % config["every"] == 0 else None)
+        slow = ctx.attempt == 1 and n > config.get("slow_after", n)  # a long step: a kill lands inside it
+        time.sleep(config["slow_s"] if slow else config.get("sleep_s", 0.0))
+        extra = {
+            "restored_from": ckpt.step if ckpt else 0,
+            "world_rank": ctx.world_rank,
+            "world_size": ctx.world_size,
+            "process_count": jax.process_count(),
+            "device_count": jax.device_count(),
+            "local_device_count": ctx.local_device_count,
+            "num_slices": ctx.num_slices,
+            "slice_index": ctx.slice_index,
+            "worker_id": ctx.worker_id,
+            "megascale_slices": os.environ.get("MEGASCALE_NUM_SLICES", ""),
+        }
+        # save_requested(): a preemption notice was agreed for this step (the emergency save).
+        save = n % config["every"] == 0 or save_requested()
+        report({"loss": loss, **extra}, checkpoint={**state, "data": it} if save else None)
 
 
 def regression_rows(batch: dict) -> dict:
@@ -146,8 +162,14 @@ def overhead_loop(config: dict) -> None:
         reported.append(r)
         ratios.append(r / b)
     ratios.sort()
-    report({"bare_s": sorted(bare)[len(bare) // 2], "reported_s": sorted(reported)[len(reported) // 2],
-            "overhead": ratios[len(ratios) // 2] - 1, "report_us": 1e6 * sorted(inside)[len(inside) // 2]})
+    report(
+        {
+            "bare_s": sorted(bare)[len(bare) // 2],
+            "reported_s": sorted(reported)[len(reported) // 2],
+            "overhead": ratios[len(ratios) // 2] - 1,
+            "report_us": 1e6 * sorted(inside)[len(inside) // 2],
+        }
+    )
 
 
 def busy_loop(config: dict) -> None:
@@ -185,10 +207,19 @@ def ray_style_loop(config: dict) -> dict:
         with checkpoint.as_directory() as d, open(os.path.join(d, "state.json")) as f:
             start = json.load(f)["epoch"]
     for epoch in range(start, start + config["epochs"]):
-        metrics = {"epoch": epoch + 1, "losses": [1.0 / (epoch + 1), 0.5], "resumed_from": start,
-                   "ranks": [ctx.get_world_rank(), ctx.get_world_size(), ctx.get_local_rank(),
-                             ctx.get_local_world_size(), ctx.get_node_rank()],
-                   "names": [ctx.get_experiment_name(), ctx.get_trial_name()]}
+        metrics = {
+            "epoch": epoch + 1,
+            "losses": [1.0 / (epoch + 1), 0.5],
+            "resumed_from": start,
+            "ranks": [
+                ctx.get_world_rank(),
+                ctx.get_world_size(),
+                ctx.get_local_rank(),
+                ctx.get_local_world_size(),
+                ctx.get_node_rank(),
+            ],
+            "names": [ctx.get_experiment_name(), ctx.get_trial_name()],
+        }
         with tempfile.TemporaryDirectory() as tmp:
             if ctx.get_world_rank() == 0:  # Ray's pattern: rank 0 writes, the others report None
                 with open(os.path.join(tmp, "state.json"), "w") as f:
@@ -219,8 +250,16 @@ def host_local_leaves_loop(config: dict) -> None:
         error = ""
     except InvalidArgument as e:
         error = str(e)
-    report({"w": back["w"], "n": back["n"], "lr": back["lr"], "count": back["count"], "error": error,
-            "env": os.environ.get("RAYSLICE_TEST_ENV", "")})
+    report(
+        {
+            "w": back["w"],
+            "n": back["n"],
+            "lr": back["lr"],
+            "count": back["count"],
+            "error": error,
+            "env": os.environ.get("RAYSLICE_TEST_ENV", ""),
+        }
+    )
 
 
 def hang_loop(config: dict) -> None:

@@ -234,8 +234,9 @@ def _ordered_get(refs: Sequence[Any], deadline: Deadline, what: str) -> list[Any
         timeout = None if deadline.timeout_s is None else deadline.remaining
         ready, pending = ray.wait(pending, num_returns=1, timeout=timeout)
         if not ready:
-            raise GangError(f"{what}: {len(pending)} host(s) did not finish within {deadline.timeout_s:g} s",
-                            Outcome.TIMEOUT)
+            raise GangError(
+                f"{what}: {len(pending)} host(s) did not finish within {deadline.timeout_s:g} s", Outcome.TIMEOUT
+            )
         for ref in ready:
             rank = index[ref]
             try:
@@ -269,9 +270,17 @@ class SliceGang:
         [0, 1]
     """
 
-    def __init__(self, spg: SlicePlacementGroup, *, init_jax: bool = True, init_timeout_s: float = 120.0,
-                 env: dict[str, str] | None = None, actor_options: dict[str, Any] | None = None,
-                 name: str | None = None, artifacts_dir: str | None = None) -> None:
+    def __init__(
+        self,
+        spg: SlicePlacementGroup,
+        *,
+        init_jax: bool = True,
+        init_timeout_s: float = 120.0,
+        env: dict[str, str] | None = None,
+        actor_options: dict[str, Any] | None = None,
+        name: str | None = None,
+        artifacts_dir: str | None = None,
+    ) -> None:
         self.spg = spg
         self.artifacts_dir = artifacts_dir
         self.name = name
@@ -291,16 +300,24 @@ class SliceGang:
         topo = self.spg.topology
         options = dict(self.actor_options)
         groups = options.pop("concurrency_groups", None)  # Ray takes them only at ray.remote, not .options
-        actor_cls = ray.remote(concurrency_groups=groups)(_HostProcess) if groups else ray.remote(_HostProcess)
+        actor_cls = ray.remote(concurrency_groups=groups)(_HostProcess) if groups else ray.remote(_HostProcess)  # type: ignore[call-overload]
         world = self.spg.num_hosts
         gang_id = uuid.uuid4().hex[:8]
         try:
             for rank, (s, h) in enumerate(self.spg.hosts()):
-                ctx = HostContext(rank=rank, world_size=world, slice_index=s.slice_index, slice_name=s.name,
-                                  worker_id=h.worker_id, num_slices=self.spg.num_slices,
-                                  hosts_per_slice=len(s.hosts), node_id=h.node_id,
-                                  devices_per_host=topo.devices_per_host, gang_name=self.name or "",
-                                  artifacts_dir=self.artifacts_dir)
+                ctx = HostContext(
+                    rank=rank,
+                    world_size=world,
+                    slice_index=s.slice_index,
+                    slice_name=s.name,
+                    worker_id=h.worker_id,
+                    num_slices=self.spg.num_slices,
+                    hosts_per_slice=len(s.hosts),
+                    node_id=h.node_id,
+                    devices_per_host=topo.devices_per_host,
+                    gang_name=self.name or "",
+                    artifacts_dir=self.artifacts_dir,
+                )
                 env = {**gang_environment(self.spg, s.slice_index, h.worker_id), **self.env}
                 actor = actor_cls.options(
                     num_cpus=0,
@@ -308,7 +325,9 @@ class SliceGang:
                     scheduling_strategy=self.spg.scheduling_strategy(s.slice_index, h.worker_id),
                     max_restarts=0,
                     max_task_retries=0,
-                    **({"name": gang_actor_name(self.name, gang_id, rank), "namespace": NAMESPACE} if self.name else {}),
+                    **(
+                        {"name": gang_actor_name(self.name, gang_id, rank), "namespace": NAMESPACE} if self.name else {}
+                    ),
                     **options,
                 ).remote(env, ctx)
                 self.actors.append(actor)
@@ -325,8 +344,10 @@ class SliceGang:
         port = _ordered_get([self.actors[0].bind_coordinator_port.remote()], deadline, "coordinator port")[0]
         ip = self.spg.slices[0].hosts[0].ip
         coordinator = f"{ip}:{port}"
-        refs = [a.init_jax.remote(coordinator, len(self.actors), rank, deadline.remaining)
-                for rank, a in enumerate(self.actors)]
+        refs = [
+            a.init_jax.remote(coordinator, len(self.actors), rank, deadline.remaining)
+            for rank, a in enumerate(self.actors)
+        ]
         self.jax_info = _ordered_get(refs, deadline, "jax.distributed.initialize")
         self.contexts = [dataclasses.replace(c, coordinator_address=coordinator) for c in self.contexts]
 
@@ -334,8 +355,9 @@ class SliceGang:
         """Starts ``fn(*args, **kwargs)`` on every host; returns the refs in rank order."""
         return [a.call.remote(fn, args, kwargs) for a in self.actors]
 
-    def run_each(self, fn: Callable[..., tuple[Any, Any]], args_per_rank: Sequence[tuple], *,
-                 timeout_s: float | None = None) -> tuple[list[Any], list[Any]]:
+    def run_each(
+        self, fn: Callable[..., tuple[Any, Any]], args_per_rank: Sequence[tuple], *, timeout_s: float | None = None
+    ) -> tuple[list[Any], list[Any]]:
         """Runs ``fn(*args_per_rank[rank])`` on each host; ``fn`` returns ``(summary, payload)``.
 
         Returns the summaries (fetched) and refs to the payloads, in rank
@@ -344,8 +366,10 @@ class SliceGang:
         """
         if len(args_per_rank) != len(self.actors):
             raise ValueError(f"{len(args_per_rank)} argument tuples for {len(self.actors)} hosts")
-        pairs = [a.call_split.options(num_returns=2).remote(fn, tuple(args), {})
-                 for a, args in zip(self.actors, args_per_rank)]
+        pairs = [
+            a.call_split.options(num_returns=2).remote(fn, tuple(args), {})
+            for a, args in zip(self.actors, args_per_rank)
+        ]
         summaries = _ordered_get([s for s, _ in pairs], Deadline(timeout_s), getattr(fn, "__name__", "fn"))
         return summaries, [payload for _, payload in pairs]
 

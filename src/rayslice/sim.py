@@ -428,8 +428,13 @@ class SimulatedCluster:
         for pid in pids:
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGTERM)
-        logger.info("host %d of %s: preemption notice (SIGTERM to %d processes), killed in %.1f s (simulated)",
-                    worker_id, slice_name, len(pids), grace)
+        logger.info(
+            "host %d of %s: preemption notice (SIGTERM to %d processes), killed in %.1f s (simulated)",
+            worker_id,
+            slice_name,
+            len(pids),
+            grace,
+        )
 
         def kill() -> None:
             if self._cluster is not None and host.alive:
@@ -515,7 +520,7 @@ def _raylet_pid(node: Any) -> int | None:
 
 
 def _worker_pids(node: Any) -> list[int]:
-    """Ray worker processes of one simulated host (children of its raylet, not the raylet's helpers)."""
+    """Ray worker processes running work on one simulated host (children of its raylet, not its agents)."""
     import psutil
 
     pid = _raylet_pid(node)
@@ -525,8 +530,10 @@ def _worker_pids(node: Any) -> list[int]:
     with contextlib.suppress(psutil.Error):
         for child in psutil.Process(pid).children(recursive=True):
             with contextlib.suppress(psutil.Error):
-                title = " ".join(child.cmdline())
-                if title.startswith("ray::") and not title.startswith("ray::IDLE"):
+                # Workers are titled "ray::<actor or task>"; the node's agents ("ray::DashboardAgent",
+                # "ray::RuntimeEnvAgent") share the raylet's fate and idle workers run nothing.
+                name = (child.cmdline() or [""])[0].split(".", 1)[0]
+                if name.startswith("ray::") and name != "ray::IDLE" and not name.endswith("Agent"):
                     out.append(child.pid)
     return out
 

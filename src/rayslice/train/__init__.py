@@ -16,10 +16,18 @@ from rayslice.train.checkpoint import Checkpoint, latest_complete_step
 from rayslice.train.config import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig, UserCallback
 from rayslice.train.context import TrainContext, current_context
 from rayslice.train.controller import JaxTrainer, Result, TrainRunContext
-from rayslice.train.goodput import Goodput
-from rayslice.train.worker import get_checkpoint, get_context, get_dataset_shard, report
+from rayslice.train.goodput import AttemptEnd, Goodput
+from rayslice.train.worker import (
+    PreemptionStop,
+    get_checkpoint,
+    get_context,
+    get_dataset_shard,
+    report,
+    save_requested,
+)
 
 __all__ = [
+    "AttemptEnd",
     "Checkpoint",
     "CheckpointConfig",
     "FailureConfig",
@@ -35,6 +43,8 @@ __all__ = [
     "get_checkpoint",
     "get_context",
     "get_dataset_shard",
+    "PreemptionStop",
     "latest_complete_step",
     "report",
+    "save_requested",
 ]

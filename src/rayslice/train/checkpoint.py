@@ -76,7 +76,7 @@ def run_dir(storage_path: str, name: str) -> str:
         >>> run_dir("file:///data/", "r1")
         '/data/r1'
     """
-    base = storage_path[len("file://"):] if storage_path.startswith("file://") else storage_path
+    base = storage_path[len("file://") :] if storage_path.startswith("file://") else storage_path
     if _is_local(base):
         base = os.path.abspath(os.path.expanduser(base))
     return f"{base.rstrip('/')}/{name}"
@@ -259,15 +259,19 @@ class Checkpoint:
         if rank >= len(states) or (world is not None and world != meta.get("world_size", len(states))):
             # A restart on more hosts than the checkpoint was written by: the
             # data split changed, so no saved position is this host's.
-            raise ValueError(f"checkpoint {self.step} holds data states for {len(states)} host(s); "
-                             f"rank {rank} has none (the run's world size changed)")
+            raise ValueError(
+                f"checkpoint {self.step} holds data states for {len(states)} host(s); "
+                f"rank {rank} has none (the run's world size changed)"
+            )
         return states[rank]
 
     def restore(self, target: Any = None) -> Any:
         """Restores an array checkpoint (call inside a worker, on every host), placed like ``target``."""
         if self.kind != "arrays":
-            raise ValueError(f"checkpoint {self.path} is a directory checkpoint (files, no arrays): "
-                             "read it with as_directory() or to_directory()")
+            raise ValueError(
+                f"checkpoint {self.path} is a directory checkpoint (files, no arrays): "
+                "read it with as_directory() or to_directory()"
+            )
         import orbax.checkpoint as ocp
 
         with ocp.StandardCheckpointer() as ckptr:
@@ -324,8 +328,9 @@ def discard_pending(root: str) -> None:
                 p.rmtree()
 
 
-def prune_directories(root: str, num_to_keep: int | None, score_attribute: str | None = None,
-                      score_order: str = "max") -> list[int]:
+def prune_directories(
+    root: str, num_to_keep: int | None, score_attribute: str | None = None, score_order: str = "max"
+) -> list[int]:
     """Deletes directory checkpoints beyond the best ``num_to_keep`` (the newest is always kept)."""
     if num_to_keep is None:
         return []
@@ -365,22 +370,35 @@ def split_data_iterators(tree: Any) -> tuple[Any, dict[str, dict[str, Any]]]:
 class CheckpointWriter:
     """One per worker process: saves through Orbax on every host (a collective)."""
 
-    def __init__(self, directory: str, num_to_keep: int | None, async_save: bool,
-                 score_attribute: str | None = None, score_order: str = "max") -> None:
+    def __init__(
+        self,
+        directory: str,
+        num_to_keep: int | None,
+        async_save: bool,
+        score_attribute: str | None = None,
+        score_order: str = "max",
+    ) -> None:
         import orbax.checkpoint as ocp
 
         _path(directory).mkdir(parents=True, exist_ok=True)
         self.directory = directory
         self._ocp = ocp
         self.score_attribute = score_attribute
-        best = {} if score_attribute is None else {
-            "best_fn": lambda metrics: float(metrics[score_attribute]), "best_mode": score_order,
-            "keep_checkpoints_without_metrics": False}
+        best = (
+            {}
+            if score_attribute is None
+            else {
+                "best_fn": lambda metrics: float(metrics[score_attribute]),
+                "best_mode": score_order,
+                "keep_checkpoints_without_metrics": False,
+            }
+        )
         self._mngr = ocp.CheckpointManager(
             directory,
             item_names=(STATE_ITEM, META_ITEM),
-            options=ocp.CheckpointManagerOptions(max_to_keep=num_to_keep, enable_async_checkpointing=async_save,
-                                                 create=True, **best),
+            options=ocp.CheckpointManagerOptions(
+                max_to_keep=num_to_keep, enable_async_checkpointing=async_save, create=True, **best
+            ),
         )
 
     def save(self, step: int, state: Any, meta: dict[str, Any]) -> float:
@@ -389,10 +407,16 @@ class CheckpointWriter:
         metrics = None
         if self.score_attribute is not None:
             metrics = {self.score_attribute: meta["metrics"][self.score_attribute]}
-        self._mngr.save(step, args=self._ocp.args.Composite(**{
-            STATE_ITEM: self._ocp.args.StandardSave(state),
-            META_ITEM: self._ocp.args.JsonSave(meta),
-        }), metrics=metrics)
+        self._mngr.save(
+            step,
+            args=self._ocp.args.Composite(
+                **{
+                    STATE_ITEM: self._ocp.args.StandardSave(state),
+                    META_ITEM: self._ocp.args.JsonSave(meta),
+                }
+            ),
+            metrics=metrics,
+        )
         return time.perf_counter() - t0
 
     def wait(self) -> float:

@@ -93,11 +93,15 @@ class ScalingConfig:
         if not isinstance(self.use_tpu, bool) or not self.use_tpu:
             raise fail("use_tpu", self.use_tpu, "True (rayslice trains on whole TPU slices)")
         if self.topology is None:
-            raise fail("topology", None, "a slice shape such as '2x2x2' (with accelerator_type='TPU-V4'), "
-                                         "a Topology or a SliceRequest")
+            raise fail(
+                "topology",
+                None,
+                "a slice shape such as '2x2x2' (with accelerator_type='TPU-V4'), a Topology or a SliceRequest",
+            )
         if not isinstance(self.topology, str | Topology | SliceRequest):
-            raise fail("topology", self.topology, "a shape string such as '2x2x2', a Topology or a SliceRequest",
-                       got_type=True)
+            raise fail(
+                "topology", self.topology, "a shape string such as '2x2x2', a Topology or a SliceRequest", got_type=True
+            )
         check_optional(check_str, "accelerator_type", self.accelerator_type)
         check_optional(check_int, "num_slices", self.num_slices, minimum=1, maximum=4096)
         check_optional(check_int, "num_workers", self.num_workers, minimum=1)
@@ -111,31 +115,50 @@ class ScalingConfig:
             topo = base.topology
         else:
             if isinstance(self.topology, str) and self.accelerator_type is None:
-                raise fail("accelerator_type", None,
-                           "a TPU generation such as 'TPU-V4' or 'v6e' with a topology string")
-            topo = (self.topology if isinstance(self.topology, Topology)
-                    else Topology.parse(self.topology, str(self.accelerator_type), chips_per_host=self.chips_per_host))
+                raise fail(
+                    "accelerator_type", None, "a TPU generation such as 'TPU-V4' or 'v6e' with a topology string"
+                )
+            topo = (
+                self.topology
+                if isinstance(self.topology, Topology)
+                else Topology.parse(self.topology, str(self.accelerator_type), chips_per_host=self.chips_per_host)
+            )
             base = None
         if not isinstance(self.topology, str) and self.chips_per_host not in (None, topo.chips_per_host):
-            raise fail("chips_per_host", self.chips_per_host,
-                       f"{topo.chips_per_host} (fixed by the {type(self.topology).__name__} given) or None")
+            raise fail(
+                "chips_per_host",
+                self.chips_per_host,
+                f"{topo.chips_per_host} (fixed by the {type(self.topology).__name__} given) or None",
+            )
         hosts = topo.num_hosts
         slices = self.num_slices if self.num_slices is not None else (base.num_slices if base else None)
         if self.num_workers is not None:
             if slices is not None and self.num_workers != hosts * slices:
-                raise fail("num_workers", self.num_workers,
-                           f"{hosts * slices} = {hosts} hosts per {topo.generation} {topo.name} slice "
-                           f"x num_slices={slices} (one worker per host)")
+                raise fail(
+                    "num_workers",
+                    self.num_workers,
+                    f"{hosts * slices} = {hosts} hosts per {topo.generation} {topo.name} slice "
+                    f"x num_slices={slices} (one worker per host)",
+                )
             if self.num_workers % hosts:
-                raise fail("num_workers", self.num_workers,
-                           f"a multiple of {hosts} (hosts per {topo.generation} {topo.name} slice)")
+                raise fail(
+                    "num_workers",
+                    self.num_workers,
+                    f"a multiple of {hosts} (hosts per {topo.generation} {topo.name} slice)",
+                )
             slices = self.num_workers // hosts
         slices = 1 if slices is None else slices
         if self.placement_strategy == "STRICT_PACK" and hosts * slices > 1:
-            raise fail("placement_strategy", "STRICT_PACK",
-                       f"'PACK', 'SPREAD' or 'STRICT_SPREAD': {hosts * slices} hosts cannot share one node")
-        request = (SliceRequest.parse(base, num_slices=slices) if base is not None
-                   else SliceRequest.parse(topo, num_slices=slices, resources_per_host=extra))
+            raise fail(
+                "placement_strategy",
+                "STRICT_PACK",
+                f"'PACK', 'SPREAD' or 'STRICT_SPREAD': {hosts * slices} hosts cannot share one node",
+            )
+        request = (
+            SliceRequest.parse(base, num_slices=slices)
+            if base is not None
+            else SliceRequest.parse(topo, num_slices=slices, resources_per_host=extra)
+        )
         object.__setattr__(self, "_request", request)
         object.__setattr__(self, "num_slices", slices)
         object.__setattr__(self, "num_workers", hosts * slices)
@@ -148,8 +171,11 @@ class ScalingConfig:
         if self.resources_per_worker is None:
             return per_host
         if self.resources_per_host is not None:
-            raise fail("resources_per_worker", self.resources_per_worker,
-                       "None when resources_per_host is given (they are two names for the same thing)")
+            raise fail(
+                "resources_per_worker",
+                self.resources_per_worker,
+                "None when resources_per_host is given (they are two names for the same thing)",
+            )
         per_worker = check_resources("resources_per_worker", self.resources_per_worker)
         return {k: v for k, v in per_worker.items() if k != "TPU"}
 
@@ -171,9 +197,12 @@ class ScalingConfig:
         """Checks a ``"TPU"`` entry of ``resources_per_worker`` against the chips per host."""
         tpu = (self.resources_per_worker or {}).get("TPU")
         if tpu is not None and float(tpu) != float(self.topology_info.chips_per_host):
-            raise fail("resources_per_worker['TPU']", tpu,
-                       f"{self.topology_info.chips_per_host} (the chips of one {self.topology_info.generation} "
-                       f"{self.topology_info.name} host) or no 'TPU' entry")
+            raise fail(
+                "resources_per_worker['TPU']",
+                tpu,
+                f"{self.topology_info.chips_per_host} (the chips of one {self.topology_info.generation} "
+                f"{self.topology_info.name} host) or no 'TPU' entry",
+            )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -225,6 +254,13 @@ class FailureConfig:
             ``timeout``, counted against ``max_failures``. None (default): not
             checked. The first step of each attempt (compile, restore) and the
             final checkpoint wait are not timed.
+        preemption_notices: Watch for preemption notices on every host
+            (SIGTERM, the GCE metadata server, Ray node draining) and turn
+            one into an emergency checkpoint at the next step boundary that
+            every host agrees on, then a clean stop and a restart from that
+            step (see ``rayslice.train.notice``). Default True.
+        notice_poll_s: Seconds between polls of the GCE metadata server and
+            of Ray's draining nodes.
 
     Example:
         >>> FailureConfig(max_preemption_failures=3).max_preemptions
@@ -238,19 +274,31 @@ class FailureConfig:
     max_preemption_failures: int | None = None
     heartbeat_timeout_s: float = 1.0
     step_timeout_s: float | None = None
+    preemption_notices: bool = True
+    notice_poll_s: float = 1.0
 
     def __post_init__(self) -> None:
         check_int("max_failures", self.max_failures, minimum=-1)
+        check_bool("preemption_notices", self.preemption_notices)
+        object.__setattr__(
+            self, "notice_poll_s", check_float("notice_poll_s", self.notice_poll_s, minimum=0.05, maximum=600)
+        )
         check_optional(check_int, "max_preemptions", self.max_preemptions, minimum=-1)
         check_optional(check_int, "max_preemption_failures", self.max_preemption_failures, minimum=-1)
         a, b = self.max_preemptions, self.max_preemption_failures
         if a is not None and b is not None and a != b:
             raise fail("max_preemption_failures", b, f"{a} (the max_preemptions given) or None: they are one budget")
         value = 10 if a is None and b is None else (a if a is not None else b)
-        object.__setattr__(self, "heartbeat_timeout_s",
-                           check_float("heartbeat_timeout_s", self.heartbeat_timeout_s, minimum=0.2, maximum=600))
-        object.__setattr__(self, "step_timeout_s", check_optional(check_float, "step_timeout_s", self.step_timeout_s,
-                                                                  minimum=0, exclusive_min=True))
+        object.__setattr__(
+            self,
+            "heartbeat_timeout_s",
+            check_float("heartbeat_timeout_s", self.heartbeat_timeout_s, minimum=0.2, maximum=600),
+        )
+        object.__setattr__(
+            self,
+            "step_timeout_s",
+            check_optional(check_float, "step_timeout_s", self.step_timeout_s, minimum=0, exclusive_min=True),
+        )
         object.__setattr__(self, "max_preemptions", value)
         object.__setattr__(self, "max_preemption_failures", value)
 
@@ -281,13 +329,21 @@ _SCHEMES = ("gs://", "s3://", "file://")
 
 
 def _check_callback(i: int, cb: object) -> object:
-    if isinstance(cb, UserCallback) or callable(getattr(cb, "after_report", None)) \
-            or callable(getattr(cb, "after_exception", None)):
+    if (
+        isinstance(cb, UserCallback)
+        or callable(getattr(cb, "after_report", None))
+        or callable(getattr(cb, "after_exception", None))
+    ):
         return cb
     if callable(cb):
         return cb
-    raise fail(f"callbacks[{i}]", cb, "a callable taking rank 0's report dict, or a UserCallback "
-                                      "(an object with after_report(run_context, metrics, checkpoint))", got_type=True)
+    raise fail(
+        f"callbacks[{i}]",
+        cb,
+        "a callable taking rank 0's report dict, or a UserCallback "
+        "(an object with after_report(run_context, metrics, checkpoint))",
+        got_type=True,
+    )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -342,8 +398,11 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         if self.name is not None and (not isinstance(self.name, str) or not _NAME.match(self.name)):
-            raise fail("name", self.name, "letters, digits, '_', '-', '.' (starting with a letter or digit), "
-                                          "or None for a fresh name")
+            raise fail(
+                "name",
+                self.name,
+                "letters, digits, '_', '-', '.' (starting with a letter or digit), or None for a fresh name",
+            )
         if self.storage_path is None:
             object.__setattr__(self, "storage_path", "~/rayslice_results")
         import os
@@ -354,19 +413,24 @@ class RunConfig:
         if "://" in path and not path.startswith(_SCHEMES):
             raise fail("storage_path", path, "a local path or a gs://, s3:// or file:// URL")
         if self.storage_filesystem is not None and type(self.storage_filesystem).__name__ != "LocalFileSystem":
-            raise fail("storage_filesystem", self.storage_filesystem,
-                       "None: custom filesystems are not supported (rayslice writes through Orbax/etils.epath); "
-                       "give a gs://, s3:// or file:// URL as storage_path")
+            raise fail(
+                "storage_filesystem",
+                self.storage_filesystem,
+                "None: custom filesystems are not supported (rayslice writes through Orbax/etils.epath); "
+                "give a gs://, s3:// or file:// URL as storage_path",
+            )
         if self.checkpoint_config is None:
             object.__setattr__(self, "checkpoint_config", CheckpointConfig())
         if self.failure_config is None:
             object.__setattr__(self, "failure_config", FailureConfig())
-        check_instance("checkpoint_config", self.checkpoint_config, CheckpointConfig,
-                       "a rayslice.train.CheckpointConfig")
+        check_instance(
+            "checkpoint_config", self.checkpoint_config, CheckpointConfig, "a rayslice.train.CheckpointConfig"
+        )
         check_instance("failure_config", self.failure_config, FailureConfig, "a rayslice.train.FailureConfig")
         if self.worker_runtime_env is not None and not isinstance(self.worker_runtime_env, Mapping):
-            raise fail("worker_runtime_env", self.worker_runtime_env, "a dict (a Ray runtime_env) or None",
-                       got_type=True)
+            raise fail(
+                "worker_runtime_env", self.worker_runtime_env, "a dict (a Ray runtime_env) or None", got_type=True
+            )
         check_bool("progress", self.progress)
         callbacks = () if self.callbacks is None else self.callbacks
         if isinstance(callbacks, str | bytes | Mapping) or not isinstance(callbacks, Sequence):
@@ -374,8 +438,12 @@ class RunConfig:
         object.__setattr__(self, "callbacks", tuple(_check_callback(i, cb) for i, cb in enumerate(callbacks)))
         if not isinstance(self.compilation_cache, bool):
             if not isinstance(self.compilation_cache, str) or not self.compilation_cache.strip():
-                raise fail("compilation_cache", self.compilation_cache, "True, False or a directory path/URL",
-                           got_type=not isinstance(self.compilation_cache, str))
+                raise fail(
+                    "compilation_cache",
+                    self.compilation_cache,
+                    "True, False or a directory path/URL",
+                    got_type=not isinstance(self.compilation_cache, str),
+                )
             cache = self.compilation_cache
             if "://" in cache and not cache.startswith(_SCHEMES):
                 raise fail("compilation_cache", cache, "True, False, a local path or a gs://, s3:// or file:// URL")
@@ -401,8 +469,10 @@ class RunConfig:
     def run_path(self) -> str:
         """``storage_path/name`` (only for a named run: unnamed runs get their name in ``fit()``)."""
         if self.name is None:
-            raise ValueError("RunConfig(name=None) has no run path yet: each fit() picks a fresh name "
-                             "(see result.path), or pass name=... to choose one")
+            raise ValueError(
+                "RunConfig(name=None) has no run path yet: each fit() picks a fresh name "
+                "(see result.path), or pass name=... to choose one"
+            )
         return self.run_path_for(self.name)
 
     @property

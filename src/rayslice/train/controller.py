@@ -45,7 +45,7 @@ from rayslice.train.checkpoint import (
 )
 from rayslice.train.config import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from rayslice.train.context import TrainContext
-from rayslice.train.goodput import Goodput, GoodputTracker
+from rayslice.train.goodput import AttemptEnd, Goodput, GoodputTracker
 from rayslice.train.heartbeat import (
     HeartbeatMonitor,
     Verdict,
@@ -182,28 +182,50 @@ class JaxTrainer:
         >>> result = trainer.fit()  # doctest: +SKIP
     """
 
-    def __init__(self, train_loop_per_worker: Callable[..., Any], *, train_loop_config: Any = None,
-                 scaling_config: ScalingConfig | None = None, run_config: RunConfig | None = None,
-                 datasets: Mapping[str, Any] | None = None, tpu_slice: SlicePlacementGroup | None = None,
-                 console: Console | None = None) -> None:
+    def __init__(
+        self,
+        train_loop_per_worker: Callable[..., Any],
+        *,
+        train_loop_config: Any = None,
+        scaling_config: ScalingConfig | None = None,
+        run_config: RunConfig | None = None,
+        datasets: Mapping[str, Any] | None = None,
+        tpu_slice: SlicePlacementGroup | None = None,
+        console: Console | None = None,
+    ) -> None:
         self.train_fn = check_callable("train_loop_per_worker", train_loop_per_worker)
         self.config = train_loop_config
         if tpu_slice is not None:
             check_instance("tpu_slice", tpu_slice, SlicePlacementGroup, "a rayslice SlicePlacementGroup (held)")
         if scaling_config is None:
             if tpu_slice is None:
-                raise fail("scaling_config", None, "a rayslice.train.ScalingConfig(topology=..., accelerator_type=...)"
-                                                   " (or pass tpu_slice=<a held SlicePlacementGroup>)")
+                raise fail(
+                    "scaling_config",
+                    None,
+                    "a rayslice.train.ScalingConfig(topology=..., accelerator_type=...)"
+                    " (or pass tpu_slice=<a held SlicePlacementGroup>)",
+                )
             scaling_config = ScalingConfig(topology=tpu_slice.request)
-        check_instance("scaling_config", scaling_config, ScalingConfig,
-                       "a rayslice.train.ScalingConfig(topology=..., accelerator_type=...)")
+        check_instance(
+            "scaling_config",
+            scaling_config,
+            ScalingConfig,
+            "a rayslice.train.ScalingConfig(topology=..., accelerator_type=...)",
+        )
         if tpu_slice is not None:
             held, wanted = tpu_slice.request, scaling_config.request
             if held.topology != wanted.topology or held.num_slices != wanted.num_slices:
-                raise fail("tpu_slice", f"<SlicePlacementGroup {held}>",
-                           f"a reservation of {wanted} (what scaling_config asks for)")
-        self.run_config = check_instance("run_config", RunConfig() if run_config is None else run_config, RunConfig,
-                                         "a rayslice.train.RunConfig or None")
+                raise fail(
+                    "tpu_slice",
+                    f"<SlicePlacementGroup {held}>",
+                    f"a reservation of {wanted} (what scaling_config asks for)",
+                )
+        self.run_config = check_instance(
+            "run_config",
+            RunConfig() if run_config is None else run_config,
+            RunConfig,
+            "a rayslice.train.RunConfig or None",
+        )
         if datasets is not None and not isinstance(datasets, Mapping):
             raise fail("datasets", datasets, "a dict of name -> Ray Dataset", got_type=True)
         for key, ds in (datasets or {}).items():
@@ -240,8 +262,9 @@ class JaxTrainer:
         tracker = GoodputTracker()
         self._exporter = GoodputExporter(name)
         history: list[dict[str, Any]] = []
-        materialized = {k: _materialize_in_order(ds() if not hasattr(ds, "materialize") else ds)
-                        for k, ds in self.datasets.items()}
+        materialized = {
+            k: _materialize_in_order(ds() if not hasattr(ds, "materialize") else ds) for k, ds in self.datasets.items()
+        }
         attempt, preemptions, failures = 0, 0, 0
         error: BaseException | None = None
         self._return_value = None
@@ -254,8 +277,24 @@ class JaxTrainer:
             while True:
                 attempt += 1
                 self._detection_s = 0.0
+                self._notice: dict[str, Any] | None = None
                 tracker.begin_attempt()
                 out = self._attempt(attempt, tracker, history, materialized, status, preemptions + failures)
+                notice = self._notice
+                if notice is not None:
+                    tracker.end_attempt(
+                        AttemptEnd(
+                            attempt,
+                            out.outcome.value,
+                            "notice",
+                            step=notice["step"],
+                            emergency_save_s=notice["save_s"],
+                            notice=notice.get("reason"),
+                        )
+                    )
+                else:
+                    reason = "" if out.ok else ("lost" if out.outcome is Outcome.PREEMPTED else "error")
+                    tracker.end_attempt(AttemptEnd(attempt, out.outcome.value, reason))
                 if out.ok:
                     break
                 restore = latest_complete_step(self._root)
@@ -265,19 +304,24 @@ class JaxTrainer:
                     preemptions += 1
                     ok = _budget_left(preemptions, cast(int, self._fc.max_preemptions))
                     if ok and self.tpu_slice is not None:
-                        error = GangError(f"a host of the held slice {self.tpu_slice.name!r} was lost "
-                                          f"({out.message}); JaxTrainer(tpu_slice=...) never reserves another "
-                                          "slice: reserve again and fit() with the new one, or omit tpu_slice "
-                                          "so the trainer reserves and restarts by itself", Outcome.PREEMPTED,
-                                          rank=out.rank)
+                        error = GangError(
+                            f"a host of the held slice {self.tpu_slice.name!r} was lost "
+                            f"({out.message}); JaxTrainer(tpu_slice=...) never reserves another "
+                            "slice: reserve again and fit() with the new one, or omit tpu_slice "
+                            "so the trainer reserves and restarts by itself",
+                            Outcome.PREEMPTED,
+                            rank=out.rank,
+                        )
                         error.__cause__ = out.error
                         self._say(f"attempt {attempt}: preempted: {out.message}; giving up (held slice)")
                         break
                 else:
                     failures += 1
                     ok = out.outcome is not Outcome.CANCELLED and _budget_left(failures, self._fc.max_failures)
-                self._say(f"attempt {attempt}: {out.outcome.value}: {out.message}"
-                          + (f"; restarting from checkpoint {restore}" if ok else "; giving up"))
+                self._say(
+                    f"attempt {attempt}: {out.outcome.value}: {out.message}"
+                    + (f"; restarting from checkpoint {restore}" if ok else "; giving up")
+                )
                 if not ok:
                     error = out.error
                     break
@@ -297,8 +341,13 @@ class JaxTrainer:
             metrics=history[-1]["metrics"] if history else None,
             metrics_history=[{"step": h["step"], **h["metrics"]} for h in history],
             checkpoint=None if step is None else Checkpoint(step_dir(self._root, step), step),
-            path=path, error=error, goodput=goodput, attempts=attempt,
-            preemptions=preemptions, failures=failures, name=name,
+            path=path,
+            error=error,
+            goodput=goodput,
+            attempts=attempt,
+            preemptions=preemptions,
+            failures=failures,
+            name=name,
             return_value=self._return_value if error is None else None,
             best_checkpoints=_scored_checkpoints(self._root),
         )
@@ -307,8 +356,15 @@ class JaxTrainer:
         return result
 
     # -- one attempt -------------------------------------------------------
-    def _attempt(self, attempt: int, tracker: GoodputTracker, history: list[dict[str, Any]],
-                 datasets: Mapping[str, Any], status: Any, restarts: int) -> RunOutcome:
+    def _attempt(
+        self,
+        attempt: int,
+        tracker: GoodputTracker,
+        history: list[dict[str, Any]],
+        datasets: Mapping[str, Any],
+        status: Any,
+        restarts: int,
+    ) -> RunOutcome:
         sc, rc, run = self.scaling, self.run_config, self._run
         t0 = time.monotonic()
         discard_pending(self._root)
@@ -317,42 +373,67 @@ class JaxTrainer:
         else:
             self._status(status, f"attempt {attempt}: reserving {sc.request}")
             with tracker.timed("reservation"):
-                spg = slice_placement_group(sc.request, timeout_s=sc.reservation_timeout_s,
-                                            name=f"{run.name}-{attempt}", progress=False,
-                                            avoid_slices=sorted(self._avoid))
+                spg = slice_placement_group(
+                    sc.request,
+                    timeout_s=sc.reservation_timeout_s,
+                    name=f"{run.name}-{attempt}",
+                    progress=False,
+                    avoid_slices=sorted(self._avoid),
+                )
             self._avoid = set()
         options: dict[str, Any] = {"max_concurrency": 2}
         if rc.worker_runtime_env:
             options["runtime_env"] = dict(rc.worker_runtime_env)
-        gang = SliceGang(spg, init_timeout_s=sc.init_timeout_s, actor_options=options, name=run.name,
-                         artifacts_dir=run.path)
+        gang = SliceGang(
+            spg, init_timeout_s=sc.init_timeout_s, actor_options=options, name=run.name, artifacts_dir=run.path
+        )
         last_report: float | None = None  # set once the loop runs: start-up time is "startup", not "lost"
         keys = [heartbeat_key(run.run_id, attempt, rank) for rank in range(spg.num_hosts)]
         try:
-            self._status(status, f"attempt {attempt}: starting {spg.num_hosts} host processes on "
-                                 f"{', '.join(s.name for s in spg.slices)}")
+            self._status(
+                status,
+                f"attempt {attempt}: starting {spg.num_hosts} host processes on "
+                f"{', '.join(s.name for s in spg.slices)}",
+            )
             with tracker.timed("startup"):
                 gang.start()
             splits = {k: ds.split(spg.num_hosts, equal=True) for k, ds in datasets.items()}
             cc = self._cc
-            info = {"checkpoint_dir": self._root, "num_to_keep": cc.num_to_keep, "async_save": cc.async_save,
-                    "score_attribute": cc.checkpoint_score_attribute, "score_order": cc.checkpoint_score_order,
-                    "restore_step": latest_complete_step(self._root),
-                    "compilation_cache": rc.compilation_cache_dir(run.path)}
+            info: dict[str, Any] = {
+                "checkpoint_dir": self._root,
+                "num_to_keep": cc.num_to_keep,
+                "async_save": cc.async_save,
+                "score_attribute": cc.checkpoint_score_attribute,
+                "score_order": cc.checkpoint_score_order,
+                "restore_step": latest_complete_step(self._root),
+                "compilation_cache": rc.compilation_cache_dir(run.path),
+            }
             fc = self._fc
-            period = period_for(cast(float, fc.heartbeat_timeout_s))
+            info["notices"] = {"poll_s": fc.notice_poll_s} if fc.preemption_notices else None
+            period = period_for(fc.heartbeat_timeout_s)
             refs = []
             for rank, (actor, hc) in enumerate(zip(gang.actors, gang.contexts)):
-                ctx = TrainContext(world_rank=rank, world_size=len(gang.actors), slice_index=hc.slice_index,
-                                   slice_name=hc.slice_name, num_slices=hc.num_slices, worker_id=hc.worker_id,
-                                   hosts_per_slice=hc.hosts_per_slice, local_device_count=hc.devices_per_host,
-                                   experiment_name=run.name, run_path=run.path, attempt=attempt, run_id=run.run_id)
+                ctx = TrainContext(
+                    world_rank=rank,
+                    world_size=len(gang.actors),
+                    slice_index=hc.slice_index,
+                    slice_name=hc.slice_name,
+                    num_slices=hc.num_slices,
+                    worker_id=hc.worker_id,
+                    hosts_per_slice=hc.hosts_per_slice,
+                    local_device_count=hc.devices_per_host,
+                    experiment_name=run.name,
+                    run_path=run.path,
+                    attempt=attempt,
+                    run_id=run.run_id,
+                )
                 shards = {k: v[rank] for k, v in splits.items()}
                 host_info = {**info, "heartbeat": {"key": keys[rank], "period_s": period}}
                 refs.append(actor.call.remote(run_worker, (self.train_fn, self.config, ctx, host_info, shards), {}))
             last_report = time.monotonic()
-            monitor = HeartbeatMonitor(len(refs), cast(float, fc.heartbeat_timeout_s), fc.step_timeout_s,
-                                       start_step=info["restore_step"] or 0)
+            monitor = HeartbeatMonitor(
+                len(refs), fc.heartbeat_timeout_s, fc.step_timeout_s, start_step=info["restore_step"] or 0
+            )
             return self._watch(gang, refs, tracker, history, status, attempt, restarts, t0, monitor, keys)
         except _CallbackFailed:
             raise
@@ -365,9 +446,19 @@ class JaxTrainer:
                 spg.release()
             delete_beats(keys)
 
-    def _watch(self, gang: SliceGang, refs: list[Any], tracker: GoodputTracker, history: list[dict[str, Any]],
-               status: Any, attempt: int, restarts: int, t0: float, monitor: HeartbeatMonitor,
-               keys: list[str]) -> RunOutcome:
+    def _watch(
+        self,
+        gang: SliceGang,
+        refs: list[Any],
+        tracker: GoodputTracker,
+        history: list[dict[str, Any]],
+        status: Any,
+        attempt: int,
+        restarts: int,
+        t0: float,
+        monitor: HeartbeatMonitor,
+        keys: list[str],
+    ) -> RunOutcome:
         import ray
 
         pending = dict(enumerate(refs))
@@ -379,6 +470,8 @@ class JaxTrainer:
         # One drain call in flight per rank: a host that does not answer (dead,
         # and not yet declared dead by Ray) never blocks the others' reports.
         draining: dict[int, Any] = {}
+        # Hosts that stopped after the emergency save of a preemption notice.
+        noticed: dict[int, dict[str, Any]] = {}
 
         def where(rank: int) -> str:
             hc = gang.contexts[rank]
@@ -389,11 +482,14 @@ class JaxTrainer:
             rank0 = by_rank[0]
             ckpt = None
             if "directory" in kinds:
-                ckpt = commit_pending(self._root, step, attempt, {
-                    "step": step, "metrics": rank0["metrics"], "world_size": world, "attempt": attempt})
+                ckpt = commit_pending(
+                    self._root,
+                    step,
+                    attempt,
+                    {"step": step, "metrics": rank0["metrics"], "world_size": world, "attempt": attempt},
+                )
                 cc = self._cc
-                prune_directories(self._root, cc.num_to_keep, cc.checkpoint_score_attribute,
-                                  cc.checkpoint_score_order)
+                prune_directories(self._root, cc.num_to_keep, cc.checkpoint_score_attribute, cc.checkpoint_score_order)
             elif "arrays" in kinds:
                 ckpt = Checkpoint(step_dir(self._root, step), step)  # may still be being written (async save)
             per_rank = [by_rank[r]["metrics"] for r in range(world)]
@@ -433,8 +529,10 @@ class JaxTrainer:
                 snap = tracker.snapshot()
                 self._exporter.export(snap.seconds, snap.fraction)
                 latest = rank0[-1]
-                shown = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
-                                  for k, v in list(latest["metrics"].items())[:4])
+                shown = ", ".join(
+                    f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+                    for k, v in list(latest["metrics"].items())[:4]
+                )
                 self._status(status, f"step {latest['step']} | {shown} | attempt {attempt}, restarts {restarts}")
             for step in sorted(s for s in steps if len(steps[s]) == world):
                 complete(step, steps.pop(step))
@@ -450,7 +548,7 @@ class JaxTrainer:
             except Exception:
                 pass
             quiet = max((monitor.silent_s(r) for r in range(world) if r not in monitor.finished), default=0.0)
-            return quiet if quiet > 2 * period_for(cast(float, fc.heartbeat_timeout_s)) else 0.0
+            return quiet if quiet > 2 * period_for(fc.heartbeat_timeout_s) else 0.0
 
         def salvage(skip: frozenset[int]) -> None:
             try:  # hosts may still hold reports of steps done before the failure
@@ -467,7 +565,7 @@ class JaxTrainer:
                 # The error may be the echo of a lost host (a collective broke
                 # because its peer died): a preemption, not a bug. The
                 # heartbeats tell within heartbeat_timeout_s; a ping confirms.
-                timeout = cast(float, fc.heartbeat_timeout_s)
+                timeout = fc.heartbeat_timeout_s
                 until = time.monotonic() + timeout + 2 * period_for(timeout)
                 while time.monotonic() < until:
                     try:
@@ -484,11 +582,16 @@ class JaxTrainer:
                 if gang.lost_hosts(timeout_s=1.0):
                     outcome = Outcome.PREEMPTED
             salvage(frozenset())
-            return RunOutcome(outcome, e, time.monotonic() - t0, time.monotonic() - last,
-                              rank if rank is not None else getattr(e, "rank", None))
+            return RunOutcome(
+                outcome,
+                e,
+                time.monotonic() - t0,
+                time.monotonic() - last,
+                rank if rank is not None else getattr(e, "rank", None),
+            )
 
         def detected(verdict: Verdict) -> RunOutcome:
-            message = verdict.message(cast(float, fc.heartbeat_timeout_s), fc.step_timeout_s, where)
+            message = verdict.message(fc.heartbeat_timeout_s, fc.step_timeout_s, where)
             if verdict.kind == "lost":
                 outcome = Outcome.PREEMPTED
                 self._detection_s = verdict.silent_s
@@ -519,7 +622,9 @@ class JaxTrainer:
                     out = ray.get(ref)
                 except Exception as e:
                     return failed(e, rank)
-                if rank == 0:
+                if out.get("notice"):
+                    noticed[rank] = out["notice"]
+                elif rank == 0:
                     self._return_value = out.get("return_value")
             if not pending:
                 try:  # every host returned: collect the last reports
@@ -529,6 +634,8 @@ class JaxTrainer:
                     raise
                 except Exception as e:
                     return RunOutcome.of(e, elapsed_s=time.monotonic() - t0, lost_s=time.monotonic() - last)
+                if noticed:
+                    return self._stopped_on_notice(noticed, gang, tracker, t0)
                 return RunOutcome.success(time.monotonic() - t0)
             try:
                 monitor.observe(read_beats(keys))
@@ -537,6 +644,28 @@ class JaxTrainer:
             verdict = monitor.check()
             if verdict is not None:
                 return detected(verdict)
+
+    def _stopped_on_notice(
+        self, noticed: dict[int, dict[str, Any]], gang: SliceGang, tracker: GoodputTracker, t0: float
+    ) -> RunOutcome:
+        """Every host saved the agreed step of a preemption notice and stopped: a preemption, nothing lost."""
+        first = noticed[min(noticed)]
+        step = first["step"]
+        save_s = max(n["save_s"] for n in noticed.values())
+        # The save's wait after the step's report (its stall is in the report) is checkpoint time too.
+        tracker.add("checkpoint_stall", max(n["save_s"] - n["save_stall_s"] for n in noticed.values()))
+        self._notice = {**first, "save_s": save_s}
+        rank = first.get("rank")
+        rank = rank if isinstance(rank, int) and 0 <= rank < len(gang.contexts) else min(noticed)
+        hc = gang.contexts[rank]
+        self._avoid = {hc.slice_name}  # the noticed host is about to go: reserve elsewhere if possible
+        error = GangError(
+            f"preemption notice ({first.get('reason')}) on host rank {rank} ({hc.slice_name} worker "
+            f"{hc.worker_id}): every host saved step {step} ({save_s:.2f} s) and stopped",
+            Outcome.PREEMPTED,
+            rank=rank,
+        )
+        return RunOutcome(Outcome.PREEMPTED, error, time.monotonic() - t0, 0.0, rank)
 
     def _after_exception(self, out: RunOutcome) -> None:
         for cb in self._callbacks:

@@ -23,6 +23,33 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+
+@dataclasses.dataclass(frozen=True)
+class AttemptEnd:
+    """How one attempt ended.
+
+    Attributes:
+        attempt: The attempt number (1-based).
+        outcome: The attempt's :class:`~rayslice.errors.Outcome` value (``"ok"``, ``"preempted"``, ...).
+        reason: ``"notice"`` (a preemption notice: emergency save, clean stop),
+            ``"lost"`` (a host vanished), ``"error"``, or ``""`` on success.
+        step: For a notice, the step of the emergency save.
+        emergency_save_s: For a notice, the seconds the save took (until complete on storage).
+        notice: For a notice, its source (``"SIGTERM"``, ``"gce-preempted"``, ``"gce-maintenance"``, ``"ray-drain"``).
+
+    Example:
+        >>> AttemptEnd(1, "preempted", "notice", step=8, emergency_save_s=0.4, notice="SIGTERM").reason
+        'notice'
+    """
+
+    attempt: int
+    outcome: str
+    reason: str = ""
+    step: int | None = None
+    emergency_save_s: float | None = None
+    notice: str | None = None
+
+
 COMPONENTS = ("reservation", "startup", "compile", "productive", "checkpoint_stall", "detection", "lost", "other")
 
 
@@ -44,6 +71,7 @@ class Goodput:
     steps: int
     lost_steps: int
     attempts: tuple[dict[str, float], ...] = ()
+    endings: tuple[AttemptEnd, ...] = ()
 
     @property
     def fraction(self) -> float:
@@ -53,8 +81,11 @@ class Goodput:
         """A rich table of the components."""
         from rich.table import Table
 
-        t = Table(title=f"goodput {100 * self.fraction:.1f}% of {self.wall_s:.1f} s "
-                        f"({self.steps} steps, {self.lost_steps} recomputed)", title_justify="left")
+        t = Table(
+            title=f"goodput {100 * self.fraction:.1f}% of {self.wall_s:.1f} s "
+            f"({self.steps} steps, {self.lost_steps} recomputed)",
+            title_justify="left",
+        )
         t.add_column("component")
         t.add_column("seconds", justify="right")
         t.add_column("share", justify="right")
@@ -71,9 +102,15 @@ class Goodput:
         return t
 
     def as_dict(self) -> dict[str, Any]:
-        return {"wall_s": self.wall_s, "fraction": self.fraction, "steps": self.steps,
-                "lost_steps": self.lost_steps, **{f"{k}_s": v for k, v in self.seconds.items()},
-                "attempts": [dict(a) for a in self.attempts]}
+        return {
+            "wall_s": self.wall_s,
+            "fraction": self.fraction,
+            "steps": self.steps,
+            "lost_steps": self.lost_steps,
+            **{f"{k}_s": v for k, v in self.seconds.items()},
+            "attempts": [dict(a) for a in self.attempts],
+            "endings": [dataclasses.asdict(e) for e in self.endings],
+        }
 
 
 class GoodputTracker:
@@ -88,10 +125,15 @@ class GoodputTracker:
         # Steps of the current attempt not yet covered by a checkpoint: (step, seconds).
         self._uncommitted: list[tuple[int, float]] = []
         self.attempts: list[dict[str, float]] = []
+        self.endings: list[AttemptEnd] = []
 
     def begin_attempt(self) -> None:
         """Starts booking a new attempt (components booked before the first go to the run only)."""
         self.attempts.append({k: 0.0 for k in COMPONENTS if k != "other"})
+
+    def end_attempt(self, end: AttemptEnd) -> None:
+        """Records how the current attempt ended."""
+        self.endings.append(end)
 
     def add(self, component: str, seconds: float) -> None:
         if component not in self.seconds:
@@ -138,15 +180,27 @@ class GoodputTracker:
         wall = self._clock() - self._start
         seconds = dict(self.seconds)
         seconds["other"] = max(0.0, wall - sum(v for k, v in seconds.items() if k != "other"))
-        return Goodput(wall_s=wall, seconds=seconds, steps=self.steps, lost_steps=self.lost_steps,
-                       attempts=tuple(dict(a) for a in self.attempts))
+        return Goodput(
+            wall_s=wall,
+            seconds=seconds,
+            steps=self.steps,
+            lost_steps=self.lost_steps,
+            attempts=tuple(dict(a) for a in self.attempts),
+            endings=tuple(self.endings),
+        )
 
     def finish(self) -> Goodput:
         wall = self._clock() - self._start
         known = sum(v for k, v in self.seconds.items() if k != "other")
         self.seconds["other"] = max(0.0, wall - known)
-        return Goodput(wall_s=wall, seconds=dict(self.seconds), steps=self.steps, lost_steps=self.lost_steps,
-                       attempts=tuple(dict(a) for a in self.attempts))
+        return Goodput(
+            wall_s=wall,
+            seconds=dict(self.seconds),
+            steps=self.steps,
+            lost_steps=self.lost_steps,
+            attempts=tuple(dict(a) for a in self.attempts),
+            endings=tuple(self.endings),
+        )
 
 
 class _Timer:

@@ -86,8 +86,13 @@ class HeartbeatPublisher:
         3
     """
 
-    def __init__(self, key: str, period_s: float, progress: Callable[[], tuple[int, str]],
-                 put: Callable[[str, bytes], None] | None = None) -> None:
+    def __init__(
+        self,
+        key: str,
+        period_s: float,
+        progress: Callable[[], tuple[int, str]],
+        put: Callable[[str, bytes], None] | None = None,
+    ) -> None:
         self.key = key
         self.period_s = period_s
         self._progress = progress
@@ -112,8 +117,12 @@ class HeartbeatPublisher:
         except Exception as e:  # the store is unreachable: say so once, keep training
             if not self._warned:
                 self._warned = True
-                logger.warning("heartbeat %s cannot be published (%s); the driver will treat this host as lost "
-                               "if it stays unreachable", self.key, e)
+                logger.warning(
+                    "heartbeat %s cannot be published (%s); the driver will treat this host as lost "
+                    "if it stays unreachable",
+                    self.key,
+                    e,
+                )
 
     def _run(self) -> None:
         while not self._stop.wait(self.period_s):
@@ -173,14 +182,22 @@ class Verdict:
     silent_s: float
     step: int | None = None
 
-    def message(self, heartbeat_timeout_s: float, step_timeout_s: float | None,
-                where: Callable[[int], str] = lambda r: f"rank {r}") -> str:
+    def message(
+        self,
+        heartbeat_timeout_s: float,
+        step_timeout_s: float | None,
+        where: Callable[[int], str] = lambda r: f"rank {r}",
+    ) -> str:
         hosts = ", ".join(where(r) for r in self.ranks)
         if self.kind == "lost":
-            return (f"{hosts} stopped sending heartbeats {self.silent_s:.1f} s ago (heartbeat_timeout_s="
-                    f"{heartbeat_timeout_s:g}): the host process or its machine is gone")
-        return (f"no step completed for {self.silent_s:.1f} s on {hosts} after step {self.step} "
-                f"(step_timeout_s={step_timeout_s:g}): the host is alive but hung (a stuck collective?)")
+            return (
+                f"{hosts} stopped sending heartbeats {self.silent_s:.1f} s ago (heartbeat_timeout_s="
+                f"{heartbeat_timeout_s:g}): the host process or its machine is gone"
+            )
+        return (
+            f"no step completed for {self.silent_s:.1f} s on {hosts} after step {self.step} "
+            f"(step_timeout_s={step_timeout_s:g}): the host is alive but hung (a stuck collective?)"
+        )
 
 
 class HeartbeatMonitor:
@@ -195,8 +212,14 @@ class HeartbeatMonitor:
         clock: The driver's monotonic clock.
     """
 
-    def __init__(self, world_size: int, heartbeat_timeout_s: float, step_timeout_s: float | None,
-                 start_step: int = 0, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        world_size: int,
+        heartbeat_timeout_s: float,
+        step_timeout_s: float | None,
+        start_step: int = 0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._clock = clock
         self.world_size = world_size
         self.heartbeat_timeout_s = heartbeat_timeout_s
@@ -237,8 +260,7 @@ class HeartbeatMonitor:
             if rank in self.finished or self._phase.get(rank) == "done":
                 continue
             seen = self._seen.get(rank)
-            limit = self.heartbeat_timeout_s if seen is not None else max(FIRST_BEAT_GRACE_S,
-                                                                         self.heartbeat_timeout_s)
+            limit = self.heartbeat_timeout_s if seen is not None else max(FIRST_BEAT_GRACE_S, self.heartbeat_timeout_s)
             since = now - (self._started if seen is None else seen)
             if since > limit:
                 lost.append((rank, since))

@@ -35,7 +35,24 @@ from rayslice.train.checkpoint import Checkpoint, CheckpointWriter, split_data_i
 from rayslice.train.context import TrainContext
 from rayslice.train.heartbeat import HeartbeatPublisher
 
-__all__ = ["TrainContext", "get_checkpoint", "get_context", "get_dataset_shard", "report"]
+__all__ = [
+    "PreemptionStop",
+    "TrainContext",
+    "get_checkpoint",
+    "get_context",
+    "get_dataset_shard",
+    "report",
+    "save_requested",
+]
+
+
+class PreemptionStop(BaseException):
+    """Raised by ``report()`` after the emergency save of a preemption notice: the attempt ends here.
+
+    A ``BaseException`` (like ``KeyboardInterrupt``), so that a loop's
+    ``except Exception`` does not swallow it; the trainer catches it, waits
+    for the save to complete, and restarts from that step.
+    """
 
 
 class _Session:
@@ -56,17 +73,27 @@ class _Session:
         self.started = time.perf_counter()
         self.last = self.started
         self.first = True
+        self.agreement: Any = None  # a rayslice.train.notice.NoticeAgreement while notices are watched
+        self.decided: dict[int, bool] = {}
+        self.stopped: dict[str, Any] | None = None  # the notice this host stopped on
+        self.warned_no_tree = False
         from rayslice.metrics import HostSampler
 
-        self.sampler = HostSampler({"slice": ctx.slice_name, "worker_id": str(ctx.worker_id),
-                                    "run": ctx.experiment_name}).start()
+        self.sampler = HostSampler(
+            {"slice": ctx.slice_name, "worker_id": str(ctx.worker_id), "run": ctx.experiment_name}
+        ).start()
 
     @property
     def writer(self) -> CheckpointWriter:
         if self._writer is None:
             i = self.info
-            self._writer = CheckpointWriter(self.checkpoint_dir, i["num_to_keep"], i["async_save"],
-                                            i.get("score_attribute"), i.get("score_order", "max"))
+            self._writer = CheckpointWriter(
+                self.checkpoint_dir,
+                i["num_to_keep"],
+                i["async_save"],
+                i.get("score_attribute"),
+                i.get("score_order", "max"),
+            )
         return self._writer
 
 
@@ -152,8 +179,10 @@ def _gather_states(s: _Session, step: int, states: dict[str, Any]) -> dict[str, 
         raise RuntimeError("jax.distributed is not initialised in this worker (its coordination service is needed)")
     key = f"rayslice/ckpt/{s.ctx.attempt}/{step}"
     client.key_value_set(f"{key}/{s.ctx.world_rank}", json.dumps(states))
-    per_rank = [states if r == s.ctx.world_rank else json.loads(client.blocking_key_value_get(f"{key}/{r}", 600_000))
-                for r in range(s.ctx.world_size)]
+    per_rank = [
+        states if r == s.ctx.world_rank else json.loads(client.blocking_key_value_get(f"{key}/{r}", 600_000))
+        for r in range(s.ctx.world_size)
+    ]
     if s.last_gather is not None:  # every host has posted this one, so all have read the previous
         try:
             client.key_value_delete(s.last_gather)
@@ -190,15 +219,47 @@ def _checkpointable(tree: Any) -> Any:
             return leaf
         if isinstance(leaf, np.ndarray):
             if leaf.dtype == object or leaf.dtype.kind in "USV":
-                raise fail(where, leaf, "an array of numbers (not strings or objects): put them in metrics, "
-                                        "or save files with Checkpoint.from_directory(dir)")
+                raise fail(
+                    where,
+                    leaf,
+                    "an array of numbers (not strings or objects): put them in metrics, "
+                    "or save files with Checkpoint.from_directory(dir)",
+                )
             return leaf
         if isinstance(leaf, bool | int | float | complex | np.generic):
             return leaf
-        raise fail(where, leaf, "a jax.Array, numpy array or Python number: put other values in metrics, "
-                                "or save files with Checkpoint.from_directory(dir)", got_type=True)
+        raise fail(
+            where,
+            leaf,
+            "a jax.Array, numpy array or Python number: put other values in metrics, "
+            "or save files with Checkpoint.from_directory(dir)",
+            got_type=True,
+        )
 
     return jax.tree_util.tree_map_with_path(fix, tree)
+
+
+def _save_decision(s: _Session, step: int) -> bool:
+    """Whether ``step`` is the agreed step of an emergency save (the same answer on every host)."""
+    if step not in s.decided:
+        s.decided = {step: s.agreement.claim(step) if s.agreement is not None else False}
+    return s.decided[step]
+
+
+def save_requested() -> bool:
+    """True when the step about to be reported must carry a checkpoint: a preemption notice was agreed for it.
+
+    Every host gets the same answer for the same step. A loop that checkpoints
+    only every few steps calls it to make the emergency save::
+
+        report(metrics, checkpoint=state if step % 100 == 0 or save_requested() else None)
+
+    ``report()`` of that step saves, waits until the save is complete, and
+    ends the training function (:class:`PreemptionStop`); the next attempt
+    resumes from it. A loop that passes a checkpoint at every step needs no call.
+    """
+    s = _session()
+    return _save_decision(s, s.step + 1)
 
 
 def report(metrics: Mapping[str, Any], checkpoint: Any = None) -> None:
@@ -233,31 +294,65 @@ def report(metrics: Mapping[str, Any], checkpoint: Any = None) -> None:
     clean = {k: (_plain(v) if _is_ready(v) else v) for k, v in metrics.items()}
     stall = 0.0
     kind = None
+    emergency = _save_decision(s, step)
+    if emergency and checkpoint is None and not s.warned_no_tree:
+        s.warned_no_tree = True
+        import logging
+
+        logging.getLogger(__name__).warning(
+            "a preemption notice was agreed for step %d but the loop reported no checkpoint there: no emergency "
+            "save (pass checkpoint=... when rayslice.train.save_requested() is True)",
+            step,
+        )
     if checkpoint is not None:
         clean = {k: _plain(v) for k, v in clean.items()}
         score = s.info.get("score_attribute")
         if score is not None and not isinstance(clean.get(score), int | float):
-            raise fail(f"metrics[{score!r}]", clean.get(score),
-                       "a number reported with every checkpoint (CheckpointConfig.checkpoint_score_attribute)")
+            raise fail(
+                f"metrics[{score!r}]",
+                clean.get(score),
+                "a number reported with every checkpoint (CheckpointConfig.checkpoint_score_attribute)",
+            )
         if isinstance(checkpoint, Checkpoint):
             try:
                 stall = write_pending(s.checkpoint_dir, step, s.ctx.attempt, checkpoint.path)
             except FileNotFoundError:
-                raise fail("report(checkpoint=...)", checkpoint,
-                           "Checkpoint.from_directory(d) of an existing directory") from None
+                raise fail(
+                    "report(checkpoint=...)", checkpoint, "Checkpoint.from_directory(d) of an existing directory"
+                ) from None
             kind = "directory"
         else:
             arrays, states = split_data_iterators(checkpoint)
             arrays = _checkpointable(arrays)
-            meta = {"step": step, "metrics": _json_safe(clean), "data_states": _gather_states(s, step, states),
-                    "world_size": s.ctx.world_size}
+            meta = {
+                "step": step,
+                "metrics": _json_safe(clean),
+                "data_states": _gather_states(s, step, states),
+                "world_size": s.ctx.world_size,
+            }
             stall = s.writer.save(step, arrays, meta)
             kind = "arrays"
     end = time.perf_counter()
     s.sampler.record_step(max(0.0, now - s.last))
     # step_s covers the whole interval (the save included), so work = step_s - stall_s.
-    record = {"step": step, "metrics": clean, "step_s": end - s.last, "stall_s": stall,
-              "first": s.first, "checkpoint": kind, "attempt": s.ctx.attempt, "rank": s.ctx.world_rank}
+    record = {
+        "step": step,
+        "metrics": clean,
+        "step_s": end - s.last,
+        "stall_s": stall,
+        "first": s.first,
+        "checkpoint": kind,
+        "attempt": s.ctx.attempt,
+        "rank": s.ctx.world_rank,
+    }
+    if emergency and kind is not None:
+        s.stopped = {
+            **(s.agreement.notice or {}),
+            "step": step,
+            "save_stall_s": stall,
+            "noticed_at": s.agreement.noticed_at,
+        }
+        record["notice"] = dict(s.stopped)
     s.step, s.first = step, False
     s.last = end
     with s.lock:
@@ -269,6 +364,8 @@ def report(metrics: Mapping[str, Any], checkpoint: Any = None) -> None:
         # every queued step with a cross-host collective holds a runtime thread
         # until its peers arrive (enough of them deadlock the process).
         _wait_until_ready(in_flight[0])
+    if s.stopped is not None:
+        raise PreemptionStop(f"preemption notice ({s.stopped.get('reason')}): saved step {step}")
 
 
 def drain_reports() -> list[dict[str, Any]]:
@@ -324,8 +421,9 @@ def enable_compilation_cache(directory: str) -> bool:
             _CACHE_WARNED = True
             import logging
 
-            logging.getLogger(__name__).warning("JAX compilation cache %s not usable (%s): compiling from scratch",
-                                                directory, e)
+            logging.getLogger(__name__).warning(
+                "JAX compilation cache %s not usable (%s): compiling from scratch", directory, e
+            )
         return False
 
 
@@ -341,8 +439,9 @@ def _takes_an_argument(fn: Callable[..., Any]) -> bool:
         return True
 
 
-def run_worker(train_fn: Callable[..., Any], config: Any, ctx: TrainContext, info: Mapping[str, Any],
-               shards: Mapping[str, Any]) -> dict[str, Any]:
+def run_worker(
+    train_fn: Callable[..., Any], config: Any, ctx: TrainContext, info: Mapping[str, Any], shards: Mapping[str, Any]
+) -> dict[str, Any]:
     """Entry point in each gang process for one attempt."""
     global _SESSION
     import jax
@@ -357,14 +456,22 @@ def run_worker(train_fn: Callable[..., Any], config: Any, ctx: TrainContext, inf
     heart = None
     if beat:  # liveness and progress for the driver's monitor (see rayslice.train.heartbeat)
         heart = HeartbeatPublisher(beat["key"], beat["period_s"], lambda: (session.step, phase)).start()
+    sources = _watch_notices(session, info.get("notices"))
     try:
-        if config is None and not _takes_an_argument(train_fn):
-            value = train_fn()
-        else:
-            value = train_fn(config)
+        try:
+            if config is None and not _takes_an_argument(train_fn):
+                value = train_fn()
+            else:
+                value = train_fn(config)
+        except PreemptionStop:
+            value = None
         phase = "finishing"  # the final checkpoint wait is not a step: not timed by step_timeout_s
         final_wait = wait_for_checkpoints()  # the last async save must be complete before success
     finally:
+        if sources is not None:
+            sources.stop()
+        if session.agreement is not None:
+            session.agreement.stop()
         if heart is not None:
             heart.stop()
             phase = "done"  # stopping on purpose: the driver must not take the silence for a loss
@@ -375,4 +482,41 @@ def run_worker(train_fn: Callable[..., Any], config: Any, ctx: TrainContext, inf
         _context._set_current(None)
     if ctx.world_rank != 0:
         value = None  # Ray's Result.return_value is rank 0's
-    return {"steps": _SESSION.step, "final_wait_s": final_wait, "return_value": value}
+    out = {"steps": _SESSION.step, "final_wait_s": final_wait, "return_value": value}
+    if session.stopped is not None:  # ended on a preemption notice, after a complete emergency save
+        noticed = session.stopped.pop("noticed_at", None)
+        out["notice"] = {
+            **session.stopped,
+            "save_s": session.stopped["save_stall_s"] + final_wait,
+            "notice_to_saved_s": None if noticed is None else time.monotonic() - noticed,
+        }
+    return out
+
+
+def _watch_notices(session: _Session, options: Mapping[str, Any] | None) -> Any:
+    """Starts the notice agreement and this host's notice sources (None when notices are off)."""
+    if not options:
+        return None
+    from rayslice.train.notice import NoticeAgreement, NoticeSources
+
+    ctx = session.ctx
+    client = None
+    if ctx.world_size > 1:
+        from jax._src import distributed
+
+        client = distributed.global_state.client
+    if client is None:
+        from rayslice.train.notice import MemoryKV
+
+        client = MemoryKV()  # one host: agreeing with itself
+    session.agreement = agreement = NoticeAgreement(
+        client, f"{ctx.run_id}/{ctx.attempt}", rank=ctx.world_rank, world_size=ctx.world_size
+    ).start(claimed=session.step)
+    node_id = None
+    try:
+        import ray
+
+        node_id = ray.get_runtime_context().get_node_id()
+    except Exception:
+        pass
+    return NoticeSources(agreement.announce, node_id=node_id, poll_s=float(options.get("poll_s", 1.0))).start()
