@@ -247,7 +247,10 @@ def test_a_dead_host_is_detected_before_ray_declares_its_node_dead(tmp_path):
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["result_error"] is None and out["preemptions"] == 1
     assert out["ray_still_lists_it_alive"] is True  # found by heartbeats, not by Ray's node health checks
-    assert "stopped sending heartbeats" in out["error"][0] and "worker 1" in out["error"][0]
+    # Whichever comes first ends the attempt: the heartbeat verdict (naming the host), or the error of
+    # the dead process's own call (its worker died with the node). Both come before Ray's node death.
+    error = out["error"][0]
+    assert ("stopped sending heartbeats" in error and "worker 1" in error) or "actor died" in error, error
     assert out["second_slice"] != [out["first_slice"]]  # the next attempt avoided the slice of the dead host
     assert out["steps"] == list(range(1, 13)) and out["detection_s"] > 0
     assert out["groups"] == []
