@@ -18,6 +18,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import bench_data  # noqa: E402
+import bench_llm  # noqa: E402
 import bench_reservation  # noqa: E402
 import bench_serve  # noqa: E402
 import bench_train  # noqa: E402
@@ -57,6 +58,8 @@ def main() -> int:
             over = bench_train.overhead()
         with console.status("serving latency and throughput"):
             srv = bench_serve.run()
+        with console.status("LLM serving: slice deployment vs one process"):
+            llm = bench_llm.run(requests=15)
         with console.status("recovery after a lost host"):
             rec = bench_train.recovery(sim)  # last: it breaks a slice
             notice_row = bench_train.notice_row(bench_train.notice(sim))  # on slices of its own
@@ -201,6 +204,23 @@ def main() -> int:
         f"{sl['rps'] / pl['rps']:.2f}x",
         "(info)",
         "-",
+    )
+    ls, ll = llm["slice"], llm["local"]
+    t.add_row(
+        "LLM time to first token p50 (streaming, OpenAI API)",
+        f"{ls['ttft_p50_ms']:.1f} ms (2-host slice)",
+        f"{ll['ttft_p50_ms']:.1f} ms (plain Serve, one process)",
+        f"+{llm['ttft_added_ms']:.1f} ms ({llm['ttft_ratio']:.2f}x); tokens/s {llm['tokens_per_s_ratio']:.2f}x",
+        "<= +5 ms",
+        _met(llm["goals"]["ttft_added_ms<=5"]),
+    )
+    t.add_row(
+        "LLM continuous batching: 16 streams vs 1 (aggregate tokens/s)",
+        f"{ls['batching_ratio']:.1f}x",
+        "",
+        "-",
+        ">= 4x; 0 compiles after warm-up",
+        _met(llm["goals"]["batching_ratio>=4"] and llm["goals"]["no_recompiles"]),
     )
     t.add_row(
         "recovery: host lost -> next step completed",
