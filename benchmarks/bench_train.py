@@ -149,13 +149,34 @@ def overhead(steps: int = 300) -> dict[str, float]:
     }
 
 
+def _one_preemption_run(name: str, accelerator_type: str, *, every: int, chaos: Any) -> Any:
+    """A 160-row regression run on a 2x2x2 slice whose ``chaos`` callback preempts once; checks it recovered."""
+    from tests import train_loops
+
+    from rayslice.train import FailureConfig, JaxTrainer, RunConfig, ScalingConfig
+
+    with tempfile.TemporaryDirectory(prefix="rs-bench-") as storage:
+        r = JaxTrainer(
+            train_loops.regression_loop,
+            train_loop_config={"rows": 160, "every": every, "sleep_s": 0.1},
+            scaling_config=ScalingConfig(topology="2x2x2", accelerator_type=accelerator_type),
+            run_config=RunConfig(
+                name=f"{name}-{time.time_ns()}",
+                storage_path=storage,
+                progress=False,
+                failure_config=FailureConfig(max_preemptions=1),
+                callbacks=[chaos],
+            ),
+        ).fit()
+    assert r.error is None and r.preemptions == 1, r.error
+    return r
+
+
 def recovery(sim: Any) -> dict[str, float]:
     """Preempts a host mid-run; measures host lost -> next step completed (driver clock)."""
     import rayslice
-    from rayslice.train import FailureConfig, JaxTrainer, RunConfig, ScalingConfig
 
     _ship_by_value()
-    from tests import train_loops
 
     marks: dict[str, float] = {}
 
@@ -167,20 +188,7 @@ def recovery(sim: Any) -> dict[str, float]:
         elif report["attempt"] == 2 and "next" not in marks:
             marks["next"] = time.time()
 
-    with tempfile.TemporaryDirectory(prefix="rs-bench-") as storage:
-        r = JaxTrainer(
-            train_loops.regression_loop,
-            train_loop_config={"rows": 160, "every": 2, "sleep_s": 0.1},
-            scaling_config=ScalingConfig(topology="2x2x2", accelerator_type="TPU-V4"),
-            run_config=RunConfig(
-                name=f"recovery-{time.time_ns()}",
-                storage_path=storage,
-                progress=False,
-                failure_config=FailureConfig(max_preemptions=1),
-                callbacks=[chaos],
-            ),
-        ).fit()
-    assert r.error is None and r.preemptions == 1, r.error
+    r = _one_preemption_run("recovery", "TPU-V4", every=2, chaos=chaos)
     return {"recovery_s": marks["next"] - marks["lost"], "lost_s": r.goodput.seconds["lost"]}
 
 
@@ -190,10 +198,8 @@ GOAL_NOTICE_LOST_STEPS = 0
 def notice(sim: Any, grace_s: float = 20.0) -> dict[str, Any]:
     """A preemption notice with ``grace_s`` (>= one step + one save) mid-run: lost steps, measured (goal 0)."""
     import rayslice
-    from rayslice.train import FailureConfig, JaxTrainer, RunConfig, ScalingConfig
 
     _ship_by_value()
-    from tests import train_loops
 
     from rayslice.sim import SliceSpec
 
@@ -207,20 +213,7 @@ def notice(sim: Any, grace_s: float = 20.0) -> dict[str, Any]:
             fired.append(busy)
             sim.notify_preemption(busy, 1, grace_s=grace_s)  # SIGTERM now, the host dies after grace_s
 
-    with tempfile.TemporaryDirectory(prefix="rs-bench-") as storage:
-        r = JaxTrainer(
-            train_loops.regression_loop,
-            train_loop_config={"rows": 160, "every": 100, "sleep_s": 0.1},
-            scaling_config=ScalingConfig(topology="2x2x2", accelerator_type="TPU-V5P"),
-            run_config=RunConfig(
-                name=f"notice-{time.time_ns()}",
-                storage_path=storage,
-                progress=False,
-                failure_config=FailureConfig(max_preemptions=1),
-                callbacks=[chaos],
-            ),
-        ).fit()
-    assert r.error is None and r.preemptions == 1, r.error
+    r = _one_preemption_run("notice", "TPU-V5P", every=100, chaos=chaos)
     end = r.goodput.endings[0]
     steps = [h["step"] for h in r.metrics_history]
     return {
