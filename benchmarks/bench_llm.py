@@ -3,11 +3,19 @@
 Measured through the real HTTP endpoint with the official ``openai`` client,
 the same model (random weights, same seed) and engine on both sides:
 
-- time to first token (TTFT, p50) and tokens/s per stream, one stream at a time;
+- time to first token (TTFT: p50, with p10-p90 as the spread) and tokens/s per stream, one stream at a time;
 - aggregate tokens/s with 16 concurrent streams vs 1 stream (continuous batching);
 - XLA compilations after warm-up (must be 0: fixed shapes).
 
-Standalone: ``.venv/bin/python benchmarks/bench_llm.py [--requests N]`` (starts its
+The slice deployment uses the default ``"auto"`` layout (``"data_tensor"``: the
+hosts split the batch slots, tensor parallel inside each host, no collective
+between hosts) with 2-device tensor-parallel groups (``TENSOR_PARALLEL``); the
+baseline serves the same weights in one process holding as many devices as one
+host of the slice (4 for v4 ``2x2x2``, pinned whatever node Serve picks),
+tensor parallel over all of them. Each side also reports where a first token's
+time goes (``phases_ms``).
+
+Standalone: ``.venv/bin/python benchmarks/bench_llm.py [--requests N] [--layout L] [--tensor-parallel K]`` (starts its
 own simulated cluster). From ``benchmarks/run.py``: ``bench_llm.run(requests=...)``
 on a running cluster with a free v4 2x2x2 slice; it returns a dict of figures.
 """
@@ -16,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
+import dataclasses
 import json
 import statistics
 import time
@@ -27,8 +36,20 @@ MODEL = "bench-lm"
 PROMPT = "def fibonacci(n):\n    "
 
 
-def config(accelerator_type: str = "TPU-V4", topology: str = "2x2x2") -> LLMConfig:
+# Tensor-parallel groups of 2 devices: on the simulator every all-reduce, even between the devices of one host,
+# is a gloo exchange over TCP whose cost grows with the group (about 0.6 ms for 2 devices, 2.3 ms for 4).
+TENSOR_PARALLEL = 2
+
+
+def config(
+    accelerator_type: str = "TPU-V4",
+    topology: str = "2x2x2",
+    layout: str = "auto",
+    tensor_parallel: int | None = TENSOR_PARALLEL,
+) -> LLMConfig:
     return LLMConfig(
+        layout=layout,
+        tensor_parallel=tensor_parallel,
         model_name=MODEL,
         lm=LMConfig(),
         seed=1,
@@ -87,10 +108,27 @@ def measure(base: str, requests: int, max_tokens: int) -> dict[str, float]:
         wall = time.perf_counter() - t0
     aggregate = sum(r[2] for r in many) / wall
     stats = _stats(base)
+    ttft_ms = sorted(1000 * t for t in ttft)
+    ttft_p50 = statistics.median(ttft_ms)
+    prefill_step, prefill_device = stats["prefill_step_ms_p50"], stats["prefill_device_ms_p50"]
     return {
         "step_ms_p50": stats["step_ms_p50"],
         "device_step_ms_p50": stats["device_step_ms_p50"],
-        "ttft_p50_ms": 1000 * statistics.median(ttft),
+        "layout": stats.get("layout"),
+        "mesh": stats.get("mesh"),
+        "devices": stats.get("devices"),
+        # Where a first token's time goes (p50s of sequential requests on an idle engine): the prefill on the
+        # devices, the replica's call to the devices around it (hosts: a Ray actor call each step; one process: a
+        # thread), and the rest of the TTFT (HTTP, SSE, request parsing, scheduling).
+        "phases_ms": {
+            "prefill_device": prefill_device,
+            "call_around_prefill": None if prefill_step is None else round(prefill_step - prefill_device, 3),
+            "http_sse_scheduling": None if prefill_step is None else round(ttft_p50 - prefill_step, 3),
+        },
+        "ttft_p50_ms": ttft_p50,
+        "ttft_p10_ms": ttft_ms[len(ttft_ms) // 10],
+        "ttft_p90_ms": ttft_ms[(9 * len(ttft_ms)) // 10],
+        "ttft_n": len(ttft_ms),
         "tokens_per_s_stream": statistics.median(per_stream),
         "tokens_per_s_1": single,
         "tokens_per_s_16": aggregate,
@@ -101,10 +139,12 @@ def measure(base: str, requests: int, max_tokens: int) -> dict[str, float]:
 
 def run(
     port: int | None = None,
-    requests: int = 20,
+    requests: int = 30,
     max_tokens: int = 64,
     accelerator_type: str = "TPU-V4",
     topology: str = "2x2x2",
+    layout: str = "auto",
+    tensor_parallel: int | None = TENSOR_PARALLEL,
 ) -> dict[str, Any]:
     """Both deployments on the running cluster; returns the figures and the ratios."""
     from ray import serve
@@ -112,15 +152,23 @@ def run(
     from rayslice import serve as slice_serve
 
     port = slice_serve.start_http(port)
-    cfg = config(accelerator_type, topology)
+    cfg = config(accelerator_type, topology, layout, tensor_parallel)
     out: dict[str, Any] = {}
     try:
         serve.run(build_app(cfg), name="llm-slice", route_prefix="/llm-slice")
         out["slice"] = measure(f"http://127.0.0.1:{port}/llm-slice/v1", requests, max_tokens)
         serve.delete("llm-slice")
-        serve.run(build_app(cfg, local=True), name="llm-local", route_prefix="/llm-local")
+        # The baseline: one process holding as many devices as one host of the slice (its replica pinned to that
+        # device count, wherever Serve places it), tensor parallel over all of them (in-process collectives).
+        per_host = cfg.topology_info.devices_per_host
+        local = dataclasses.replace(cfg, tensor_parallel=None)
+        env = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={per_host}"}
+        options = {"num_cpus": 0, "runtime_env": {"env_vars": env}}
+        serve.run(build_app(local, local=True, ray_actor_options=options), name="llm-local", route_prefix="/llm-local")
         out["local"] = measure(f"http://127.0.0.1:{port}/llm-local/v1", requests, max_tokens)
         serve.delete("llm-local")
+        if out["local"]["devices"] != per_host:
+            raise RuntimeError(f"the baseline ran on {out['local']['devices']} devices, not {per_host}")
     finally:
         serve.shutdown()
     s, loc = out["slice"], out["local"]
@@ -139,11 +187,20 @@ def main() -> None:
     from rayslice.sim import SimulatedCluster, SliceSpec
 
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--requests", type=int, default=20, help="sequential streams per deployment")
+    ap.add_argument("--requests", type=int, default=30, help="sequential streams per deployment")
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--layout", default="auto", help="auto, tensor or data_tensor")
+    ap.add_argument(
+        "--tensor-parallel", type=int, default=TENSOR_PARALLEL, help="devices per tensor-parallel group (0: largest)"
+    )
     args = ap.parse_args()
     with SimulatedCluster([SliceSpec("TPU-V4", "2x2x2", name="bench-llm")]):
-        figures = run(requests=args.requests, max_tokens=args.max_tokens)
+        figures = run(
+            requests=args.requests,
+            max_tokens=args.max_tokens,
+            layout=args.layout,
+            tensor_parallel=args.tensor_parallel or None,
+        )
     print(json.dumps(figures, indent=2))
 
 

@@ -9,7 +9,10 @@ Runs on the simulated cluster (no TPU, nothing downloaded):
    Orbax checkpoint.
 2. ``build_app`` serves that checkpoint with Ray Serve: the replica reserves the
    other whole slice and shards the model over its 8 devices on 2 hosts
-   (tensor-parallel heads, MLP and KV cache).
+   (the default ``layout="auto"``: heads and MLP tensor-parallel over each
+   host's 4 devices, the KV cache split on heads and, over the 2 hosts, on
+   batch slots, so no step waits on a collective between hosts;
+   ``layout="tensor"`` is 8-way tensor parallel across both).
 3. The official ``openai`` client streams a completion token by token.
 
 On a real cluster: ``ray.init(address=...)`` instead of the simulator, shared

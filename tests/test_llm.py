@@ -10,10 +10,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from rayslice.errors import InvalidArgument
 from rayslice.serve.llm import api
+from rayslice.serve.llm.deployment import LLMConfig
 from rayslice.serve.llm.engine import Delta, EngineConfig, Finished, SamplingParams, Scheduler, local_engine
-from rayslice.serve.llm.model import LMConfig, forward, init_params, mesh_shape
-from rayslice.serve.llm.runner import StepResult, compile_count
+from rayslice.serve.llm.model import LMConfig, forward, init_params, mesh_shape, resolve_layout
+from rayslice.serve.llm.runner import ModelRunner, StepResult, collectives_spanning, compile_count, merge_results
 from rayslice.serve.llm.tokenizer import EOS_ID, IM_END_ID, ByteTokenizer, IncrementalDecoder, StopMatcher
 
 LM = LMConfig(d_model=32, num_layers=2, num_heads=4, d_ff=64, max_len=64)
@@ -24,11 +26,15 @@ TOK = ByteTokenizer()
 @pytest.fixture(scope="module")
 def engines():
     import jax
+    from jax.sharding import Mesh
 
     params = init_params(LM, seed=3)
+    # "dt": the data_tensor layout as on a 2-host slice, here with 2 devices standing for each host.
+    two_by_two = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "model"))
     return {
         "one": local_engine(LM, ENG, params, devices=jax.devices()[:1]),
-        "tp": local_engine(LM, ENG, params, devices=jax.devices()[:4]),
+        "tp": local_engine(LM, ENG, params, devices=jax.devices()[:4], layout="tensor"),
+        "dt": local_engine(LM, ENG, params, mesh=two_by_two),
     }
 
 
@@ -135,10 +141,11 @@ def reference(prompt, max_tokens):
         min_size=1,
         max_size=12,
     ),
-    st.integers(1, 4),
+    st.sampled_from([(1, 1), (2, 1), (2, 2), (3, 1), (3, 3), (4, 1), (4, 2), (4, 4)]),
     st.integers(1, 3),
 )
-def test_scheduler_interleaving_gives_sequential_answers(reqs, slots, per_step):
+def test_scheduler_interleaving_gives_sequential_answers(reqs, slots_groups, per_step):
+    slots, groups = slots_groups
     cfg = EngineConfig(
         num_slots=slots,
         max_context=64,
@@ -147,7 +154,8 @@ def test_scheduler_interleaving_gives_sequential_answers(reqs, slots, per_step):
         max_prefills_per_step=per_step,
         default_max_tokens=1,
     )
-    sched, fake = Scheduler(cfg), FakeRunner(slots)
+    sched, fake = Scheduler(cfg, groups=groups), FakeRunner(slots)
+    per = slots // groups
     pending = list(enumerate(reqs))
     live, it = {}, 0
     while pending or sched.has_work:
@@ -162,6 +170,10 @@ def test_scheduler_interleaving_gives_sequential_answers(reqs, slots, per_step):
         step = sched.plan()
         if step is not None:
             assert sched.busy_slots <= slots and len(step.prefills) <= per_step
+            # New requests spread over the slot groups: no group gets a second one while another has room.
+            by_group = [sum(p.slot // per == g for p in step.prefills) for g in range(groups)]
+            room = [sum(r is None for r in sched.slots[g * per : (g + 1) * per]) for g in range(groups)]
+            assert all(by_group[g] <= by_group[h] + 1 or room[h] == 0 for g in range(groups) for h in range(groups))
             sched.apply(fake.step(step))
         it += 1
         assert it < 2000
@@ -200,6 +212,64 @@ def test_mesh_puts_heads_on_the_model_axis():
     assert mesh_shape(8, LMConfig()) == (1, 8)
     assert mesh_shape(4, LM) == (1, 4)
     assert mesh_shape(8, LM) == (2, 4)
+    assert mesh_shape(8, LMConfig(), layout="data_tensor", devices_per_host=4) == (2, 4)
+    assert mesh_shape(8, LMConfig(), layout="tensor", devices_per_host=4) == (1, 8)
+    assert mesh_shape(16, LMConfig(), layout="data_tensor", devices_per_host=4) == (4, 4)
+    assert resolve_layout("auto", 2) == "data_tensor" and resolve_layout("tensor", 4) == "tensor"
+    with pytest.raises(InvalidArgument, match="layout='rows' is not valid: expected one of 'auto', 'tensor'"):
+        LLMConfig(layout="rows")
+    with pytest.raises(InvalidArgument, match="devices_per_host=3"):
+        mesh_shape(8, LM, layout="data_tensor", devices_per_host=3)
+
+
+def test_slots_must_split_evenly_over_the_data_axis():
+    import jax
+    from jax.sharding import Mesh
+
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "model"))
+    with pytest.raises(InvalidArgument, match="num_slots=3 is not valid: expected a multiple of the mesh's data axis"):
+        ModelRunner(LM, init_params(LM), num_slots=3, max_context=16, vocab_limit=TOK.vocab_size, mesh=mesh)
+    with pytest.raises(InvalidArgument, match="groups=2"):
+        Scheduler(EngineConfig(num_slots=3, max_context=64, prefill_buckets=(16,)), groups=2)
+    a = StepResult((4, -1), np.array([3, 3, -1, -1]), 0.1)
+    b = StepResult((-1, 9), np.array([-1, -1, 5, 6]), 0.3)
+    m = merge_results([a, b])
+    assert m.prefill_tokens == (4, 9) and m.decode_tokens.tolist() == [3, 3, 5, 6] and m.device_s == 0.3
+
+
+def test_a_host_runs_only_the_programs_of_the_slots_it_holds():
+    """With no collective between hosts, a host skips prefills and decodes of other hosts' slots (-1 there)."""
+    import jax
+    from jax.sharding import Mesh
+
+    from rayslice.serve.llm.runner import Decode, Prefill, Step
+
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "model"))
+    r = ModelRunner(LM, init_params(LM, seed=3), num_slots=4, max_context=64, vocab_limit=TOK.vocab_size, mesh=mesh)
+    assert r.local_groups == {0, 1} and not r.skip_others  # one process holds both groups
+    r.skip_others, r.local_groups = True, frozenset({0})  # as host 0 of two would see it
+    p = [Prefill(slot=s, tokens=(104, 105), bucket=16, temperature=0.0, top_p=1.0, seed=0) for s in (0, 3)]
+    active = np.array([False, False, True, False])
+    d = Decode(active, np.zeros(4, np.float32), np.ones(4, np.float32), np.zeros(4, np.uint32))
+    res = r.step(Step(prefills=tuple(p), decode=d))
+    assert res.prefill_tokens[0] >= 0 and res.prefill_tokens[1] == -1
+    assert res.decode_tokens.tolist() == [-1, -1, -1, -1]  # slot 2 is group 1's: not run here
+
+
+def test_data_tensor_layout_keeps_every_collective_inside_a_host(engines):
+    """The decode and prefill programs: the tensor layout all-reduces across "hosts", data_tensor never does."""
+    dt, tp = engines["dt"].executor.runner, engines["tp"].executor.runner
+    assert dict(dt.mesh.shape) == {"data": 2, "model": 2} and dict(tp.mesh.shape) == {"data": 1, "model": 4}
+    for r, expect_crossing in ((dt, False), (tp, True)):
+        host = {d: i // 2 for i, d in enumerate(r.mesh.devices.flat)}  # devices 0-1 stand for host 0, 2-3 for host 1
+        devices = r.program_devices()
+        assert len(devices["prefill"]) == r.mesh.shape["model"]  # a prefill runs on its slot group's devices only
+        for name, hlo in r.compiled_hlo(16).items():
+            ids = list(range(len(devices[name])))
+            assert len(collectives_spanning(hlo, ids)) >= LM.num_layers, name  # one all-reduce per layer
+            crossing = collectives_spanning(hlo, [host[d] for d in devices[name]])
+            assert bool(crossing) == expect_crossing, name
+    assert dt.collectives_between_hosts(16) == []  # one process: nothing can cross
 
 
 def test_cached_greedy_decoding_matches_the_full_forward_pass(engines):
@@ -212,16 +282,17 @@ def test_cached_greedy_decoding_matches_the_full_forward_pass(engines):
     assert fin.completion_tokens == len(ids) and fin.prompt_tokens == len(prompt)
 
 
-def test_tensor_parallel_over_4_devices_gives_the_same_greedy_tokens(engines):
+def test_both_layouts_give_the_unsharded_greedy_tokens(engines):
     for prompt in ("import os", "x" * 40, "class A:\n  pass\n"):
         p = SamplingParams(max_tokens=24, temperature=0.0)
         a = run(engines["one"].complete(TOK.encode(prompt), p))
-        b = run(engines["tp"].complete(TOK.encode(prompt), p))
-        assert a[1] == b[1]
+        assert run(engines["tp"].complete(TOK.encode(prompt), p))[1] == a[1]
+        assert run(engines["dt"].complete(TOK.encode(prompt), p))[1] == a[1]
 
 
-def test_concurrent_requests_match_their_sequential_answers_and_nothing_recompiles(engines):
-    eng = engines["tp"]
+@pytest.mark.parametrize("layout", ["tp", "dt"])
+def test_concurrent_requests_match_their_sequential_answers_and_nothing_recompiles(engines, layout):
+    eng = engines[layout]
     prompts = [TOK.encode("a" * n) for n in (1, 5, 17, 30, 50, 3)]
     limits = [30, 5, 12, 8, 13, 20]
     seq = [run(eng.complete(p, SamplingParams(max_tokens=m, temperature=0.0))) for p, m in zip(prompts, limits)]
@@ -436,3 +507,37 @@ def test_openai_client_over_asgi(engines):
     run(scenario())
     json.dumps(eng.stats())
     assert isinstance(Finished("stop", 1, 1, None), Finished)
+
+
+def test_slice_executor_waits_for_the_hosts_with_work_and_notices_an_idle_host_that_failed():
+    """Hosts skip others' slots: a step waits for its hosts only; an idle host's failure breaks the next step."""
+    from rayslice.serve.llm.deployment import SliceExecutor
+    from rayslice.serve.llm.engine import EngineError
+    from rayslice.serve.llm.runner import Decode, Prefill, Step
+
+    async def scenario():
+        host1 = asyncio.get_running_loop().create_future()
+
+        async def reply(rank):
+            if rank == 1:
+                return await host1  # host 1 answers late (or fails)
+            return StepResult((7,), np.array([3, -1, -1, -1]), 0.0)
+
+        class Gang:
+            def run_async(self, fn, step):
+                return [reply(0), reply(1)]
+
+        ex = object.__new__(SliceExecutor)
+        ex.cfg, ex.slice_name, ex.gang = LLMConfig(step_timeout_s=5), "s", Gang()
+        ex._skip, ex._groups_of_rank, ex._per_group, ex._trailing = True, [{0, 1}, {2, 3}], 1, []
+        p = Prefill(slot=0, tokens=(1,), bucket=16, temperature=0.0, top_p=1.0, seed=0)
+        d = Decode(np.array([1, 0, 1, 0], bool), np.zeros(4, np.float32), np.ones(4, np.float32), np.zeros(4))
+        assert ex.ranks_with_work(Step(prefills=(p,))) == [0] and ex.ranks_with_work(Step(decode=d)) == [0, 1]
+        res = await ex.run(Step(prefills=(p,)))  # returns without host 1's reply
+        assert res.prefill_tokens == (7,) and len(ex._trailing) == 1
+        host1.set_exception(RuntimeError("host 1 died"))
+        await asyncio.sleep(0)
+        with pytest.raises(EngineError, match="host rank 1 failed"):
+            await ex.run(Step(prefills=(p,)))
+
+    run(scenario())

@@ -1,7 +1,9 @@
 """LLM serving on a whole slice: an OpenAI-compatible, streaming, continuously batched JAX transformer.
 
-A decoder-only transformer (:mod:`~rayslice.serve.llm.model`, Flax) runs
-tensor-parallel over every device of every host of one slice; an engine
+A decoder-only transformer (:mod:`~rayslice.serve.llm.model`, Flax) is
+sharded over every device of every host of one slice (tensor-parallel
+weights, KV cache split on heads and batch slots; ``LLMConfig(layout=...)``
+chooses whether tensor-parallel groups span hosts); an engine
 (:mod:`~rayslice.serve.llm.engine`) batches requests continuously into fixed
 slots with a KV cache (prefill + decode, bucketed prompt lengths: nothing
 recompiles per request); a Ray Serve replica that owns the slice answers the

@@ -5,11 +5,13 @@ never straddling two slices), starts one gang process per host with
 ``jax.distributed`` up, and builds the model on every host over *all* devices
 of the slice (tensor-parallel weights and KV cache). The replica runs the
 continuous-batching scheduler; every engine iteration is one SPMD step that
-all hosts run, and host 0 returns the sampled tokens. The replica answers
-HTTP (non-streaming JSON or server-sent events).
+all hosts run, and each host returns the sampled tokens of the slots it holds
+(with the default ``"data_tensor"`` layout the hosts split the slots, so a
+step has no collective between hosts). The replica answers HTTP
+(non-streaming JSON or server-sent events).
 
 When a host is lost, the running step fails (the other hosts' results are
-watched, so a dead host is noticed even while host 0 waits in a collective),
+watched, so a dead host is noticed even while another waits in a collective),
 every in-flight request gets 503 (an SSE error event when already streaming),
 new requests get 503 at once, and ``check_health`` fails, so Serve replaces
 the replica, which reserves another slice.
@@ -32,11 +34,13 @@ import dataclasses
 import uuid
 from typing import Any
 
-from rayslice._validate import check_float, check_int, check_optional, check_str
+import numpy as np
+
+from rayslice._validate import check_choice, check_float, check_int, check_optional, check_str
 from rayslice.errors import describe
 from rayslice.serve.llm.engine import Engine, EngineConfig, EngineError
-from rayslice.serve.llm.model import LMConfig
-from rayslice.serve.llm.runner import Step, StepResult
+from rayslice.serve.llm.model import LAYOUTS, LMConfig
+from rayslice.serve.llm.runner import Step, StepResult, merge_results
 from rayslice.serve.llm.tokenizer import ByteTokenizer
 from rayslice.topology import Topology
 
@@ -61,6 +65,16 @@ class LLMConfig:
         step_timeout_s: Deadline of one engine step across the slice (a host
             that stops answering fails the step: 503 and a replacement).
         max_body_bytes: Larger request bodies get 413.
+        layout: How the model lies on the slice's devices: ``"tensor"``
+            (tensor-parallel over every device of every host: the least memory
+            per device, one cross-host all-reduce per layer half on every
+            step), ``"data_tensor"`` (tensor-parallel inside each host, the
+            hosts splitting the batch slots: no collective between hosts) or
+            ``"auto"`` (``"data_tensor"``, the lowest latency). See docs/llm.md.
+        tensor_parallel: Devices per tensor-parallel group (the mesh's model
+            axis); None: the largest the layout allows. Smaller groups mean
+            cheaper all-reduces and more slot groups, larger ones less memory
+            per device.
     """
 
     model_name: str = "rayslice-tiny-lm"
@@ -75,6 +89,8 @@ class LLMConfig:
     init_timeout_s: float = 180.0
     step_timeout_s: float = 30.0
     max_body_bytes: int = 1 << 20
+    layout: str = "auto"
+    tensor_parallel: int | None = None
 
     def __post_init__(self) -> None:
         check_str("model_name", self.model_name)
@@ -93,6 +109,8 @@ class LLMConfig:
         for name in ("reservation_timeout_s", "init_timeout_s", "step_timeout_s"):
             check_float(name, getattr(self, name), minimum=0, exclusive_min=True)
         check_int("max_body_bytes", self.max_body_bytes, minimum=1)
+        check_choice("layout", self.layout, LAYOUTS)
+        check_optional(check_int, "tensor_parallel", self.tensor_parallel, minimum=1)
         self.topology_info  # noqa: B018 - validates the shape
 
     @property
@@ -106,11 +124,13 @@ class LLMConfig:
             "max_context": e.max_context,
             "prefill_buckets": e.prefill_buckets,
             "vocab_limit": ByteTokenizer.vocab_size,
+            "layout": self.layout,
+            "tensor_parallel": self.tensor_parallel,
         }
 
 
 class SliceExecutor:
-    """Runs each engine step on every host of one reserved slice (host 0 answers)."""
+    """Runs each engine step on every host of one reserved slice (each host answers for the slots it holds)."""
 
     def __init__(self, cfg: LLMConfig) -> None:
         from rayslice.gang import SliceGang
@@ -142,28 +162,73 @@ class SliceExecutor:
             self.close()
             raise
         self._compiles = sum(i["compiles"] for i in self.host_info)
+        self.slot_groups = int(self.host_info[0]["mesh"]["data"])
+        self.layout = str(self.host_info[0]["layout"])
+        # With no collective between hosts, a host runs only the programs of its own slots (runner.host_step):
+        # a step waits for the hosts that hold its work; the others' replies are checked at the next step.
+        self._skip = all(i["skips_others"] for i in self.host_info)
+        self._groups_of_rank = [frozenset(i["local_groups"]) for i in self.host_info]
+        self._per_group = cfg.engine.num_slots // self.slot_groups
+        self._trailing: list[tuple[int, float, asyncio.Future[Any]]] = []
+
+    def ranks_with_work(self, step: Step) -> list[int]:
+        """The hosts whose results a step needs (every host unless hosts skip the others' slots)."""
+        ranks = list(range(len(self._groups_of_rank)))
+        if not self._skip:
+            return ranks
+        groups = {p.slot // self._per_group for p in step.prefills}
+        if step.decode is not None:
+            groups |= {int(s) // self._per_group for s in np.flatnonzero(step.decode.active)}
+        return [r for r in ranks if self._groups_of_rank[r] & groups] or ranks
+
+    def _check_trailing(self, now: float) -> None:
+        keep = []
+        for rank, started, f in self._trailing:
+            if f.done():
+                if f.exception() is not None:
+                    raise EngineError(f"slice {self.slice_name}: host rank {rank} failed: {describe(f.exception())}")
+            elif now - started > self.cfg.step_timeout_s:
+                raise EngineError(
+                    f"slice {self.slice_name}: host rank {rank} did not finish a step within "
+                    f"{self.cfg.step_timeout_s:g} s"
+                )
+            else:
+                keep.append((rank, started, f))
+        self._trailing = keep
 
     async def run(self, step: Step) -> StepResult:
         from rayslice.serve.llm import runner
 
         if self.gang is None:
             raise EngineError("the slice was released")
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        self._check_trailing(started)
         refs = self.gang.run_async(runner.host_step, step)
         futures = [asyncio.ensure_future(_await(r)) for r in refs]
-        done, pending = await asyncio.wait(
-            futures, timeout=self.cfg.step_timeout_s, return_when=asyncio.FIRST_EXCEPTION
-        )
-        for f in pending:
-            f.cancel()
-        for rank, f in enumerate(futures):
-            if f in done and f.exception() is not None:
-                raise EngineError(f"slice {self.slice_name}: host rank {rank} failed: {describe(f.exception())}")
-        if pending:
+        needed = [futures[r] for r in self.ranks_with_work(step)]
+        pending = set(futures)
+        while pending and not all(f.done() for f in needed):
+            remaining = started + self.cfg.step_timeout_s - loop.time()
+            if remaining <= 0:
+                break
+            done, pending = await asyncio.wait(pending, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
+            for f in done:
+                if f.exception() is not None:  # any host, needed or not: the slice is broken
+                    for p in pending:
+                        p.cancel()
+                    rank = futures.index(f)
+                    raise EngineError(f"slice {self.slice_name}: host rank {rank} failed: {describe(f.exception())}")
+        late = [f for f in needed if not f.done()]
+        if late:
+            for f in futures:
+                f.cancel()
             raise EngineError(
-                f"slice {self.slice_name}: {len(pending)} host(s) did not finish a step within "
+                f"slice {self.slice_name}: {len(late)} host(s) did not finish a step within "
                 f"{self.cfg.step_timeout_s:g} s"
             )
-        return futures[0].result()
+        self._trailing += [(r, started, f) for r, f in enumerate(futures) if not f.done()]
+        return merge_results([f.result() for f in needed])
 
     def compiles(self) -> int:
         """Compilations on every host of the slice (fetched from the hosts)."""
@@ -190,6 +255,15 @@ class SliceExecutor:
             self.spg = None
 
 
+def _this_node() -> str | None:
+    try:
+        import ray
+
+        return str(ray.get_runtime_context().get_node_id())
+    except Exception:  # not in a Ray worker (a local test)
+        return None
+
+
 async def _await(ref: Any) -> Any:
     return await ref
 
@@ -208,9 +282,18 @@ class LLMServer:
             from rayslice.serve.llm.weights import load_params
 
             params = None if cfg.checkpoint is None else load_params(cfg.checkpoint)
-            self.engine = local_engine(cfg.lm, cfg.engine, params, seed=cfg.seed)
+            self.engine = local_engine(
+                cfg.lm, cfg.engine, params, seed=cfg.seed, layout=cfg.layout, tensor_parallel=cfg.tensor_parallel
+            )
             self.executor = self.engine.executor
-            extra = {"slice": None, "hosts": 1}
+            runner = self.executor.runner
+            extra = {
+                "slice": None,
+                "hosts": 1,
+                "mesh": dict(runner.mesh.shape),
+                "devices": int(runner.mesh.devices.size),
+                "layout": runner.layout,
+            }
         else:
             self.executor = SliceExecutor(cfg)
             self.engine = Engine(self.executor, cfg.engine, ByteTokenizer())
@@ -219,7 +302,10 @@ class LLMServer:
                 "hosts": len(self.executor.host_info),
                 "mesh": self.executor.host_info[0]["mesh"],
                 "devices": self.executor.host_info[0]["device_count"],
+                "layout": self.executor.layout,
+                "cross_host_collectives": self.executor.host_info[0]["cross_host_collectives"],
             }
+        extra["replica_node_id"] = _this_node()  # where the replica's own process runs
         self.server = OpenAIServer(
             self.engine, cfg.model_name, max_body_bytes=cfg.max_body_bytes, extra_stats=lambda: extra
         )

@@ -179,10 +179,30 @@ class Request:
 
 
 class Scheduler:
-    """Slot bookkeeping and text (pure): ``plan()`` a step, run it elsewhere, ``apply()`` its result."""
+    """Slot bookkeeping and text (pure): ``plan()`` a step, run it elsewhere, ``apply()`` its result.
 
-    def __init__(self, cfg: EngineConfig, tokenizer: ByteTokenizer | None = None) -> None:
+    Args:
+        cfg: Slots, context and buckets.
+        tokenizer: Turns tokens into text (byte-level by default).
+        groups: The slots form this many equal groups (the hosts of a
+            ``"data_tensor"`` layout, each prefilling one prompt per program
+            run): a new request takes a free slot of the group with the fewest
+            requests admitted in this step, then the most free slots.
+
+    Example:
+        >>> s = Scheduler(EngineConfig(num_slots=4, max_context=32, prefill_buckets=(32,)), groups=2)
+        >>> reqs = [s.add([1, 2], SamplingParams(max_tokens=2)) for _ in range(3)]
+        >>> step = s.plan()
+        >>> [p.slot for p in step.prefills]
+        [0, 2, 1]
+    """
+
+    def __init__(self, cfg: EngineConfig, tokenizer: ByteTokenizer | None = None, groups: int = 1) -> None:
+        check_int("groups", groups, minimum=1)
+        if cfg.num_slots % groups:
+            raise InvalidArgument(f"groups={groups} is not valid: expected a divisor of num_slots={cfg.num_slots}")
         self.cfg = cfg
+        self.groups = groups
         self.tokenizer = tokenizer or ByteTokenizer()
         self.waiting: collections.deque[Request] = collections.deque()
         self.slots: list[Request | None] = [None] * cfg.num_slots
@@ -250,10 +270,14 @@ class Scheduler:
         self.reap()
         running = [r for r in self.slots if r is not None]
         admitted: list[Request] = []
-        free = [i for i, r in enumerate(self.slots) if r is None]
-        while self.waiting and free and len(admitted) < self.cfg.max_prefills_per_step:
+        per = self.cfg.num_slots // self.groups
+        free = [[i for i in range(g * per, (g + 1) * per) if self.slots[i] is None] for g in range(self.groups)]
+        new = [0] * self.groups
+        while self.waiting and any(free) and len(admitted) < self.cfg.max_prefills_per_step:
+            g = min((g for g in range(self.groups) if free[g]), key=lambda g: (new[g], -len(free[g]), g))
             req = self.waiting.popleft()
-            req.slot = free.pop(0)
+            req.slot = free[g].pop(0)
+            new[g] += 1
             self.slots[req.slot] = req
             admitted.append(req)
         if not admitted and not running:
@@ -362,6 +386,8 @@ def _slot(req: Request) -> int:
 class Executor(Protocol):
     """Runs a step on the devices (in this process, or on every host of a slice)."""
 
+    slot_groups: int  # the scheduler's slot groups (see Scheduler)
+
     async def run(self, step: Step) -> StepResult: ...
 
     def compiles(self) -> int: ...
@@ -372,6 +398,7 @@ class LocalExecutor:
 
     def __init__(self, runner: Any) -> None:
         self.runner = runner
+        self.slot_groups = int(getattr(runner, "groups", 1))
 
     async def run(self, step: Step) -> StepResult:
         return await asyncio.to_thread(self.runner.step, step)
@@ -393,12 +420,14 @@ class Engine:
     def __init__(self, executor: Executor, cfg: EngineConfig, tokenizer: ByteTokenizer | None = None) -> None:
         self.executor = executor
         self.cfg = cfg
-        self.scheduler = Scheduler(cfg, tokenizer)
+        self.scheduler = Scheduler(cfg, tokenizer, groups=int(getattr(executor, "slot_groups", 1)))
         self.broken: EngineError | None = None
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
         self.step_times: collections.deque[float] = collections.deque(maxlen=1000)
         self.device_times: collections.deque[float] = collections.deque(maxlen=1000)
+        self.prefill_step_times: collections.deque[float] = collections.deque(maxlen=1000)
+        self.prefill_device_times: collections.deque[float] = collections.deque(maxlen=1000)
 
     def _ensure_loop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -423,6 +452,9 @@ class Engine:
                 return
             self.step_times.append(time.perf_counter() - t0)
             self.device_times.append(result.device_s)
+            if step.decode is None:  # a step that only prefills: what a first token waits for on an idle engine
+                self.prefill_step_times.append(time.perf_counter() - t0)
+                self.prefill_device_times.append(result.device_s)
             self.scheduler.apply(result)
 
     def submit(self, prompt: Sequence[int], params: SamplingParams) -> Request:
@@ -484,6 +516,8 @@ class Engine:
             "broken": None if self.broken is None else str(self.broken),
             "step_ms_p50": _p50_ms(self.step_times),
             "device_step_ms_p50": _p50_ms(self.device_times),
+            "prefill_step_ms_p50": _p50_ms(self.prefill_step_times),
+            "prefill_device_ms_p50": _p50_ms(self.prefill_device_times),
         }
 
     async def close(self) -> None:
@@ -501,9 +535,20 @@ def _p50_ms(values: Any) -> float | None:
 
 
 def local_engine(
-    lm: Any, cfg: EngineConfig, params: Any = None, *, seed: int = 0, devices: Any = None, warm_up: bool = True
+    lm: Any,
+    cfg: EngineConfig,
+    params: Any = None,
+    *,
+    seed: int = 0,
+    devices: Any = None,
+    layout: str = "auto",
+    tensor_parallel: int | None = None,
+    mesh: Any = None,
+    warm_up: bool = True,
 ) -> Engine:
     """An engine on this process's devices (random weights from ``seed`` when ``params`` is None).
+
+    ``devices``, ``layout``, ``tensor_parallel`` and ``mesh`` are :class:`~rayslice.serve.llm.runner.ModelRunner`'s.
 
     Example:
         >>> from rayslice.serve.llm.model import LMConfig
@@ -521,7 +566,15 @@ def local_engine(
     if params is None:
         params = init_params(lm, seed)
     runner = ModelRunner(
-        lm, params, num_slots=cfg.num_slots, max_context=cfg.max_context, vocab_limit=tok.vocab_size, devices=devices
+        lm,
+        params,
+        num_slots=cfg.num_slots,
+        max_context=cfg.max_context,
+        vocab_limit=tok.vocab_size,
+        devices=devices,
+        layout=layout,
+        tensor_parallel=tensor_parallel,
+        mesh=mesh,
     )
     if warm_up:
         runner.warm_up(cfg.prefill_buckets)

@@ -5,11 +5,16 @@ causal forward pass over whole sequences (training, with
 ``rayslice.train.JaxTrainer``) or, given a KV cache, writes the new keys and
 values at their positions and attends over the cache (prefill and decode).
 
-Tensor parallelism: attention heads and the MLP's hidden units are split over
-the mesh axis ``"model"`` (:func:`param_specs`), and so is the KV cache
-(:func:`cache_spec`); embeddings and norms are replicated. XLA inserts the
-all-reduces after the attention output and the MLP, across hosts when the mesh
-spans several (gloo on CPU, ICI on TPU).
+Sharding: attention heads and the MLP's hidden units are split over the mesh
+axis ``"model"`` (:func:`param_specs`); the KV cache is split over heads on
+``"model"`` and over batch slots on ``"data"`` (:func:`cache_spec`);
+embeddings and norms are replicated. Each block is a *parallel* block
+(attention and MLP read the same normalised input and their outputs are added
+to the residual together, as in GPT-J and PaLM), so XLA needs one all-reduce
+per layer among the devices of a ``"model"`` group instead of two. The
+layout (:func:`resolve_layout`) decides whether that group spans hosts
+(``"tensor"``) or stays inside one host with the hosts splitting the slots
+(``"data_tensor"``, no collective between hosts).
 
 JAX is imported inside the functions that need it, so importing this module
 (e.g. in a driver or the Serve controller) stays cheap.
@@ -90,6 +95,30 @@ class LMConfig:
         return dataclasses.asdict(self)
 
 
+def write_cache(cache: Any, new: Any, positions: Any) -> Any:
+    """``cache`` [B, S, H, D] with ``new`` [B, T, H, D] written at ``positions`` [B, T] (distinct per row).
+
+    Written as a select over the whole cache, not a scatter: every operation
+    is elementwise along the batch (slot) axis, so a cache whose slots are
+    split over devices is updated where it lives, without any collective. The
+    values are copied exactly (no arithmetic on them).
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> c = write_cache(jnp.zeros((2, 4, 1, 1)), jnp.ones((2, 1, 1, 1)), jnp.array([[1], [3]]))
+        >>> c[..., 0, 0].tolist()
+        [[0.0, 1.0, 0.0, 0.0], [0.0, 0.0, 0.0, 1.0]]
+    """
+    import jax.numpy as jnp
+
+    hit = positions[:, :, None] == jnp.arange(cache.shape[1])[None, None, :]  # [B, T, S]
+    if new.shape[1] == 1:
+        return jnp.where(hit[:, 0, :, None, None], new.astype(cache.dtype), cache)
+    written = hit.any(axis=1)[:, :, None, None]
+    picked = jnp.where(hit[..., None, None], new[:, :, None].astype(cache.dtype), 0).sum(axis=1)
+    return jnp.where(written, picked, cache)
+
+
 def _module(cfg: LMConfig) -> Any:
     import flax.linen as nn
     import jax
@@ -117,28 +146,32 @@ def _module(cfg: LMConfig) -> Any:
             v = nn.DenseGeneral(shape, use_bias=False, dtype=dtype, kernel_init=init, name="attn_v")(h)
             if cache is None:
                 a = attend(q, k, v, positions, positions)
-                new_cache = None
+                new_cache = (k, v)  # the keys and values of these positions (prefill from position 0)
             else:
                 ck, cv = cache  # [B, S, H, D]
-                rows = jnp.arange(x.shape[0])[:, None]
-                ck = ck.at[rows, positions].set(k.astype(ck.dtype))
-                cv = cv.at[rows, positions].set(v.astype(cv.dtype))
+                ck, cv = write_cache(ck, k, positions), write_cache(cv, v, positions)
                 k_pos = jnp.broadcast_to(jnp.arange(ck.shape[1])[None], (x.shape[0], ck.shape[1]))
                 a = attend(q, ck, cv, positions, k_pos)
                 new_cache = (ck, cv)
-            x = x + nn.DenseGeneral(
+            attn = nn.DenseGeneral(
                 cfg.d_model, axis=(-2, -1), use_bias=False, dtype=dtype, kernel_init=out_init, name="attn_o"
             )(a)
-            h = nn.LayerNorm(dtype=dtype, name="ln2")(x)
-            h = nn.gelu(nn.Dense(cfg.d_ff, dtype=dtype, kernel_init=init, name="mlp_in")(h))
-            x = x + nn.Dense(cfg.d_model, dtype=dtype, kernel_init=out_init, name="mlp_out")(h)
-            return x, new_cache
+            m = nn.gelu(nn.Dense(cfg.d_ff, dtype=dtype, kernel_init=init, name="mlp_in")(h))
+            mlp = nn.Dense(cfg.d_model, dtype=dtype, kernel_init=out_init, name="mlp_out")(m)
+            return x + (attn + mlp), new_cache
 
     class Transformer(nn.Module):
-        """Causal LM: tokens [B, T] (+ positions [B, T], optional KV caches) -> logits [B, T, V]."""
+        """Causal LM: tokens [B, T] (+ positions [B, T], optional KV caches) -> logits [B, T, V].
+
+        With a cache ``(k, v)`` [layers, B, S, H, D], the new keys and values are
+        written at their positions and the queries attend over the cache; it
+        returns ``(logits, new cache)``. Without one, ``return_kv=True`` also
+        returns the keys and values of the sequence ``(k, v)`` [layers, B, T, H, D]
+        (a prefill from position 0, written into a cache by the caller).
+        """
 
         @nn.compact
-        def __call__(self, tokens: Any, positions: Any = None, cache: Any = None) -> Any:
+        def __call__(self, tokens: Any, positions: Any = None, cache: Any = None, return_kv: bool = False) -> Any:
             if positions is None:
                 positions = jnp.broadcast_to(jnp.arange(tokens.shape[1])[None], tokens.shape)
             embed = nn.Embed(cfg.vocab_size, cfg.d_model, embedding_init=init, dtype=dtype, name="embed")
@@ -148,12 +181,11 @@ def _module(cfg: LMConfig) -> Any:
             for i in range(cfg.num_layers):
                 layer_cache = None if cache is None else (cache[0][i], cache[1][i])
                 x, c = Block(name=f"block_{i}")(x, positions, layer_cache)
-                if c is not None:
-                    new_k.append(c[0])
-                    new_v.append(c[1])
+                new_k.append(c[0])
+                new_v.append(c[1])
             x = nn.LayerNorm(dtype=dtype, name="ln_f")(x)
             logits = embed.attend(x).astype(jnp.float32)  # tied input/output embedding
-            if cache is None:
+            if cache is None and not return_kv:
                 return logits
             return logits, (jnp.stack(new_k), jnp.stack(new_v))
 
@@ -229,32 +261,113 @@ def param_specs(params: Any) -> Any:
     return jax.tree_util.tree_map_with_path(one, params)
 
 
+LAYOUTS = ("auto", "tensor", "data_tensor")
+"""Ways to lay the model over a slice's devices (see :func:`resolve_layout`)."""
+
+
 def cache_spec() -> Any:
-    """The KV cache [layers, slots, positions, heads, head_dim] is split over heads."""
+    """The KV cache [layers, slots, positions, heads, head_dim]: slots on ``"data"``, heads on ``"model"``.
+
+    Example:
+        >>> cache_spec()
+        P(None, 'data', None, 'model', None)
+    """
     from jax.sharding import PartitionSpec
 
-    return PartitionSpec(None, None, None, MODEL_AXIS, None)
+    return PartitionSpec(None, DATA_AXIS, None, MODEL_AXIS, None)
 
 
-def mesh_shape(num_devices: int, cfg: LMConfig) -> tuple[int, int]:
-    """(data, model): the largest model axis dividing the heads and MLP width; the rest replicates.
+def resolve_layout(layout: str, num_hosts: int) -> str:
+    """The concrete layout for ``layout`` on a mesh of ``num_hosts`` processes.
+
+    - ``"tensor"``: the ``"model"`` axis takes as many devices as divide the
+      heads and the MLP width, across hosts; every decode step all-reduces
+      across hosts (cheap on a TPU slice's ICI).
+    - ``"data_tensor"``: the ``"model"`` axis stays inside one host; the
+      ``"data"`` axis (hosts) splits the batch slots, so the weights are
+      replicated on each host and a step has no collective between hosts.
+    - ``"auto"``: ``"data_tensor"`` (the lowest latency: no cross-host
+      collective on the critical path); the same as ``"tensor"`` on one host.
+
+    Example:
+        >>> resolve_layout("auto", 2), resolve_layout("tensor", 2), resolve_layout("auto", 1)
+        ('data_tensor', 'tensor', 'data_tensor')
+        >>> resolve_layout("pipeline", 2)
+        Traceback (most recent call last):
+        ...
+        rayslice.errors.InvalidArgument: layout='pipeline' is not valid: expected one of 'auto', 'tensor', 'data_tensor'
+    """
+    check_choice("layout", layout, LAYOUTS)
+    check_int("num_hosts", num_hosts, minimum=1)
+    return "data_tensor" if layout == "auto" else layout
+
+
+def mesh_shape(
+    num_devices: int,
+    cfg: LMConfig,
+    *,
+    layout: str = "tensor",
+    devices_per_host: int | None = None,
+    tensor_parallel: int | None = None,
+) -> tuple[int, int]:
+    """(data, model) for ``num_devices`` devices.
+
+    ``"tensor"``: the largest model axis dividing the device count, the heads
+    and the MLP width. ``"data_tensor"``: the same, but within one host's
+    ``devices_per_host`` devices. The data axis takes the rest (it splits the
+    batch slots). ``tensor_parallel`` sets the model axis instead (it must
+    divide the heads, the MLP width and the devices it may span).
 
     Example:
         >>> mesh_shape(8, LMConfig(num_heads=8, d_ff=256))
         (1, 8)
+        >>> mesh_shape(8, LMConfig(num_heads=8, d_ff=256), layout="data_tensor", devices_per_host=4)
+        (2, 4)
         >>> mesh_shape(8, LMConfig(d_model=48, num_heads=6, d_ff=96))
         (4, 2)
+        >>> mesh_shape(8, LMConfig(), layout="data_tensor", devices_per_host=4, tensor_parallel=2)
+        (4, 2)
     """
-    model = math.gcd(num_devices, cfg.num_heads, cfg.d_ff)
+    layout = resolve_layout(layout, 1)
+    per_host = num_devices if devices_per_host is None else devices_per_host
+    check_int("devices_per_host", per_host, minimum=1)
+    if num_devices % per_host:
+        raise InvalidArgument(
+            f"devices_per_host={per_host} is not valid: expected a divisor of the device count {num_devices}"
+        )
+    span = num_devices if layout == "tensor" else per_host
+    model = math.gcd(span, cfg.num_heads, cfg.d_ff)
+    if tensor_parallel is not None:
+        check_int("tensor_parallel", tensor_parallel, minimum=1)
+        if model % tensor_parallel:
+            raise InvalidArgument(
+                f"tensor_parallel={tensor_parallel} is not valid: expected a divisor of {model} (it must divide "
+                f"num_heads={cfg.num_heads}, d_ff={cfg.d_ff} and the {span} devices of the {layout!r} layout)"
+            )
+        model = tensor_parallel
     return num_devices // model, model
 
 
-def make_mesh(devices: Any, cfg: LMConfig) -> Any:
-    """A ("data", "model") mesh over ``devices`` (e.g. ``jax.devices()``: every host of the slice)."""
+def make_mesh(devices: Any, cfg: LMConfig, layout: str = "tensor", tensor_parallel: int | None = None) -> Any:
+    """A ("data", "model") mesh over ``devices`` (e.g. ``jax.devices()``: every host of the slice).
+
+    Devices are ordered by host (process) then id, so with ``"data_tensor"``
+    each row of the mesh (a ``"model"`` group) lies inside one host.
+    """
     from jax.sharding import Mesh
 
-    devices = list(devices)
-    data, model = mesh_shape(len(devices), cfg)
+    devices = sorted(devices, key=lambda d: (d.process_index, d.id))
+    hosts = sorted({d.process_index for d in devices})
+    per_host = [sum(d.process_index == h for d in devices) for h in hosts]
+    if len(set(per_host)) != 1:
+        raise InvalidArgument(f"devices={devices!r} is not valid: expected the same number of devices on every host")
+    data, model = mesh_shape(
+        len(devices),
+        cfg,
+        layout=resolve_layout(layout, len(hosts)),
+        devices_per_host=per_host[0],
+        tensor_parallel=tensor_parallel,
+    )
     return Mesh(np.array(devices, dtype=object).reshape(data, model), (DATA_AXIS, MODEL_AXIS))
 
 

@@ -6,7 +6,7 @@ slice (inside gang processes, where every host runs each step: SPMD). It keeps
 per-slot state on the devices (KV cache, last token, position), so a step's
 inputs are a few small integer and float arrays:
 
-- ``prefill(slot, prompt, ...)``: runs the prompt (padded to a length bucket)
+- ``prefill(slot, prompt, ...)``: runs the prompt (padded to a length bucket) on the slot group's devices
   through the model, fills that slot's cache, samples the first token;
 - ``decode(active, ...)``: one token for every slot at once (fixed slot count).
 
@@ -24,13 +24,26 @@ whatever else is batched with it.
 from __future__ import annotations
 
 import dataclasses
+import re
 import threading
 import time
 from typing import Any
 
 import numpy as np
 
-from rayslice.serve.llm.model import LMConfig, cache_spec, check_params, init_params, make_mesh, module, param_specs
+from rayslice.errors import InvalidArgument
+from rayslice.serve.llm.model import (
+    DATA_AXIS,
+    MODEL_AXIS,
+    LMConfig,
+    cache_spec,
+    check_params,
+    init_params,
+    make_mesh,
+    module,
+    param_specs,
+    resolve_layout,
+)
 
 _COMPILES = 0
 _LISTENING = False
@@ -120,27 +133,77 @@ def sample(logits: Any, temperature: Any, top_p: Any, seeds: Any, steps: Any, vo
 class ModelRunner:
     """Weights, KV cache and compiled steps over ``devices`` (default: every device of every host).
 
+    The batch slots are split over the mesh's ``"data"`` axis into
+    :attr:`groups` equal groups (slot ``s`` belongs to group
+    ``s // (num_slots // groups)``). A prefill runs on the devices of its
+    slot's group only (one program per prompt bucket and group, over a
+    ``[1, model]`` sub-mesh whose inputs are the full-mesh state's shards on
+    those devices, and whose outputs become those shards again: no copy, no
+    padding rows, no device outside the group), so each host prefills its own
+    slots and the first token never waits on another host or group.
+
     Args:
         lm: Model shape.
         params: Variables as host numpy arrays (from :func:`init_params` or a checkpoint).
-        num_slots: Concurrent sequences (the decode batch).
+        num_slots: Concurrent sequences (the decode batch); a multiple of the mesh's data axis.
         max_context: Cache length per slot (<= ``lm.max_len``).
         vocab_limit: Ids at or above it are never sampled (the tokenizer's vocabulary).
         devices: Devices of the mesh; every process of a multi-host mesh must pass the same list.
+        layout: ``"auto"``, ``"tensor"`` or ``"data_tensor"`` (:func:`~rayslice.serve.llm.model.resolve_layout`).
+        tensor_parallel: The model axis (default: the layout's largest).
+        mesh: An explicit ("data", "model") mesh (instead of ``devices``, ``layout`` and ``tensor_parallel``).
+
+    Example:
+        >>> lm = LMConfig(d_model=16, num_layers=1, num_heads=2, d_ff=32, max_len=16)
+        >>> r = ModelRunner(lm, init_params(lm), num_slots=2, max_context=16, vocab_limit=264)
+        >>> r.warm_up((8,)) == len(r.local_groups) + 1  # a prefill per bucket and slot group, one decode
+        True
+        >>> res = r.step(Step(prefills=(Prefill(slot=1, tokens=(1, 2), bucket=8, temperature=0.0, top_p=1.0,
+        ...                                      seed=0),)))
+        >>> len(res.prefill_tokens), res.decode_tokens is None
+        (1, True)
     """
 
     def __init__(
-        self, lm: LMConfig, params: Any, *, num_slots: int, max_context: int, vocab_limit: int, devices: Any = None
+        self,
+        lm: LMConfig,
+        params: Any,
+        *,
+        num_slots: int,
+        max_context: int,
+        vocab_limit: int,
+        devices: Any = None,
+        layout: str = "auto",
+        tensor_parallel: int | None = None,
+        mesh: Any = None,
     ) -> None:
         import jax
         import jax.numpy as jnp
-        from jax.sharding import NamedSharding, PartitionSpec
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
         _listen()
         check_params(lm, params)
         self.lm, self.num_slots, self.max_context = lm, num_slots, max_context
-        self.mesh = make_mesh(jax.devices() if devices is None else devices, lm)
+        devs = jax.devices() if devices is None else list(devices)
+        self.layout = resolve_layout(layout, len({d.process_index for d in devs}))
+        self.mesh = make_mesh(devs, lm, self.layout, tensor_parallel) if mesh is None else mesh
+        self.groups = int(self.mesh.shape[DATA_AXIS])
+        if num_slots % self.groups:
+            raise InvalidArgument(
+                f"num_slots={num_slots} is not valid: expected a multiple of the mesh's data axis "
+                f"({self.groups}: {dict(self.mesh.shape)}, layout {self.layout!r})"
+            )
+        self.per_group = num_slots // self.groups
+        here = jax.process_index()
+        self.local_groups = frozenset(
+            g for g in range(self.groups) if any(d.process_index == here for d in self.mesh.devices[g].flat)
+        )
+        # Set by host_setup once the compiled programs are known to have no collective between hosts: a host
+        # then runs only the programs that touch its own slots (the others' results do not depend on it).
+        self.skip_others = False
+        self._local_devices = [d for d in self.mesh.devices.flat if d.process_index == here]
         self.replicated = NamedSharding(self.mesh, PartitionSpec())
+        self.rows = NamedSharding(self.mesh, PartitionSpec(DATA_AXIS))  # a leading slot / group axis
         self.params = jax.tree.map(
             lambda a, spec: self._global(np.asarray(a), NamedSharding(self.mesh, spec)), params, param_specs(params)
         )
@@ -152,31 +215,82 @@ class ModelRunner:
             out_shardings=(cache_sharding, cache_sharding),
         )
         self.cache = zeros()
-        self.last = self._global(np.zeros(num_slots, np.int32))
-        self.pos = self._global(np.zeros(num_slots, np.int32))
+        self.last = self._global(np.zeros(num_slots, np.int32), self.rows)
+        self.pos = self._global(np.zeros(num_slots, np.int32), self.rows)
         model = module(lm)
-        repl = self.replicated
-        state_shardings = ((cache_sharding, cache_sharding), repl, repl)
+        per_group = self.per_group
 
         def prefill(params, cache, last, pos, tokens, ints, floats):
-            # tokens [1, T]; ints = [length, slot, seed]; floats = [temperature, top_p]
-            length, slot, seed = ints[0], ints[1], ints[2].astype(jnp.uint32)
-            positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
-            one = tuple(jax.lax.dynamic_slice_in_dim(c, slot, 1, axis=1) for c in cache)
-            logits, one = model.apply(params, tokens, positions, one)
-            cache = tuple(jax.lax.dynamic_update_slice_in_dim(c, o, slot, axis=1) for c, o in zip(cache, one))
-            row = jax.lax.dynamic_index_in_dim(logits[0], length - 1, axis=0, keepdims=True)  # [1, V]
-            tok = sample(row, floats[0:1], floats[1:2], seed[None], length[None], vocab_limit)[0]
-            return cache, last.at[slot].set(tok), pos.at[slot].set(length), tok
+            # One prompt into one slot of one slot group; everything here lives on that group's devices.
+            # tokens [1, T]; ints [1, 3] = (length, slot in the group, seed); floats [1, 2] = (temperature, top_p).
+            length, local, seed = ints[:, 0], ints[:, 1], ints[:, 2].astype(jnp.uint32)
+            t = tokens.shape[1]
+            positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], tokens.shape)
+            logits, new = model.apply(params, tokens, positions, return_kv=True)  # new: [L, 1, T, H, D] x 2
+            at_last = jnp.arange(t)[None, :] == (length - 1)[:, None]  # [1, T]
+            row = jnp.where(at_last[..., None], logits, 0.0).sum(axis=1)  # [1, V], exact (one term)
+            tok = sample(row, floats[:, 0], floats[:, 1], seed, length, vocab_limit)
+            hit = jnp.arange(per_group) == local[0]  # [slots of the group]
+
+            def write(c, n):  # c [L, slots of the group, S, H, D]: the prompt's keys / values at positions < T
+                head = jnp.where(hit[None, :, None, None, None], n.astype(c.dtype), c[:, :, :t])
+                return jax.lax.dynamic_update_slice(c, head, (0,) * c.ndim)
+
+            cache = tuple(write(c, n) for c, n in zip(cache, new))
+            return cache, jnp.where(hit, tok[0], last), jnp.where(hit, length[0], pos), tok
 
         def decode(params, cache, last, pos, active, seeds, floats):
+            # active, seeds [S]; floats [S, 2] = (temperature, top_p): split over "data" like the slots.
             positions = jnp.minimum(pos, max_context - 1)
             logits, cache = model.apply(params, last[:, None], positions[:, None], cache)
-            toks = sample(logits[:, 0], floats[0], floats[1], seeds.astype(jnp.uint32), pos + 1, vocab_limit)
+            toks = sample(logits[:, 0], floats[:, 0], floats[:, 1], seeds.astype(jnp.uint32), pos + 1, vocab_limit)
             return cache, jnp.where(active, toks, last), jnp.where(active, pos + 1, pos), toks
 
-        self._prefill = jax.jit(prefill, donate_argnums=(1,), out_shardings=(*state_shardings, repl))
-        self._decode = jax.jit(decode, donate_argnums=(1,), out_shardings=(*state_shardings, repl))
+        rows = self.rows
+        state_shardings = ((cache_sharding, cache_sharding), rows, rows)
+        self._decode = jax.jit(decode, donate_argnums=(1,), out_shardings=(*state_shardings, rows))
+        # A prefill runs on the devices of its slot group only (a [1, model] sub-mesh): no padding rows for the
+        # other groups, and only the group's own all-reduces. Its inputs are views of the full-mesh arrays' shards
+        # on those devices and its outputs become those shards again (no copy: see _run_on_group).
+        self._groups: list[dict[str, Any]] = []
+        for g in range(self.groups):
+            sub = Mesh(self.mesh.devices[g : g + 1], (DATA_AXIS, MODEL_AXIS))
+            local = any(d.process_index == here for d in sub.devices.flat)
+            group_cache = NamedSharding(sub, cache_spec())
+            group_rows = NamedSharding(sub, PartitionSpec(DATA_AXIS))
+            entry: dict[str, Any] = {
+                "mesh": sub,
+                "devices": list(sub.devices.flat),
+                "cache": group_cache,
+                "state": NamedSharding(sub, PartitionSpec()),
+                "rows": group_rows,
+                "replicated": NamedSharding(sub, PartitionSpec()),
+            }
+            if local:
+                entry["params"] = jax.tree.map(lambda a, sub=sub: self._view(a, sub), self.params)
+                entry["prefill"] = jax.jit(
+                    prefill,
+                    donate_argnums=(1,),
+                    out_shardings=((group_cache, group_cache), entry["state"], entry["state"], entry["replicated"]),
+                )
+            self._groups.append(entry)
+
+    @staticmethod
+    def _view(arr: Any, sub: Any) -> Any:
+        """``arr`` (sharded over the full mesh) as an array over the sub-mesh ``sub``, from its shards there (no copy).
+
+        Valid for arrays whose partition does not split the ``"data"`` axis (the weights): every device of the
+        sub-mesh holds the same block it holds in the full mesh.
+        """
+        import jax
+        from jax.sharding import NamedSharding
+
+        spec = arr.sharding.spec
+        by_device = {s.device: s.data for s in arr.addressable_shards}
+        devs = [d for d in sub.devices.flat if d in by_device]
+        return jax.make_array_from_single_device_arrays(
+            arr.shape, NamedSharding(sub, spec), [by_device[d] for d in devs]
+        )
 
     def _global(self, arr: np.ndarray, sharding: Any = None) -> Any:
         import jax
@@ -186,49 +300,236 @@ class ModelRunner:
 
     @staticmethod
     def _local(arr: Any) -> np.ndarray:
-        return np.asarray(arr.addressable_data(0))
+        """The rows of a row-split array that this process holds; -1 in the rows other processes hold."""
+        out = np.full(arr.shape, -1, np.int32)
+        for shard in arr.addressable_shards:
+            out[shard.index] = np.asarray(shard.data)
+        return out
 
-    def run_prefill(self, p: Prefill) -> int:
+    def group_of(self, slot: int) -> int:
+        return slot // self.per_group
+
+    def run_prefills(self, prefills: tuple[Prefill, ...]) -> tuple[int, ...]:
+        """First tokens of ``prefills`` (-1 for those whose slot group has no device in this process).
+
+        Each prefill is one compiled program on its slot group's devices;
+        programs of different groups are dispatched without waiting for each
+        other, so they run at the same time on their own devices.
+        """
+        firsts = [-1] * len(prefills)
+        pending = []
+        for i, p in enumerate(prefills):
+            g = self.group_of(p.slot)
+            if g in self.local_groups:
+                pending.append((i, self._prefill_on_group(g, p)))
+        for i, tok in pending:
+            firsts[i] = int(np.asarray(tok.addressable_shards[0].data)[0])
+        return tuple(firsts)
+
+    def _prefill_on_group(self, g: int, p: Prefill) -> Any:
+        """Runs ``p`` on group ``g``'s devices; the state's shards there are replaced in place. Returns the token."""
+        import jax
+
+        grp = self._groups[g]
+        devs = grp["devices"]
+        # The shards of the full-mesh state on this process's devices, by device (single-device arrays: no copy).
+        state = (self.cache[0], self.cache[1], self.last, self.pos)
+        shards = [{s.device: s.data for s in a.addressable_shards} for a in state]
+        mine = [d for d in devs if d in shards[0]]
+        lm = self.lm
+        group_cache_shape = (lm.num_layers, self.per_group, self.max_context, lm.num_heads, lm.head_dim)
+        shapes = (group_cache_shape, group_cache_shape, (self.per_group,), (self.per_group,))
+        kinds = (grp["cache"], grp["cache"], grp["state"], grp["state"])
+        views = [
+            jax.make_array_from_single_device_arrays(shape, sharding, [by_dev[d] for d in mine])
+            for shape, sharding, by_dev in zip(shapes, kinds, shards)
+        ]
         tokens = np.zeros((1, p.bucket), np.int32)
         tokens[0, : len(p.tokens)] = p.tokens
-        ints = np.array([len(p.tokens), p.slot, p.seed & 0x7FFFFFFF], np.int32)
-        floats = np.array([p.temperature, p.top_p], np.float32)
-        self.cache, self.last, self.pos, tok = self._prefill(
-            self.params, self.cache, self.last, self.pos, self._global(tokens), self._global(ints), self._global(floats)
+        ints = np.array([[len(p.tokens), p.slot - g * self.per_group, p.seed & 0x7FFFFFFF]], np.int32)
+        floats = np.array([[p.temperature, p.top_p]], np.float32)
+        rep = grp["replicated"]
+        (k, v), last, pos, tok = grp["prefill"](
+            grp["params"],
+            (views[0], views[1]),
+            views[2],
+            views[3],
+            self._global(tokens, rep),
+            self._global(ints, rep),
+            self._global(floats, rep),
         )
-        return int(self._local(tok))
+        for by_dev, out in zip(shards, (k, v, last, pos)):
+            for s in out.addressable_shards:
+                by_dev[s.device] = s.data
+        full = [
+            jax.make_array_from_single_device_arrays(a.shape, a.sharding, [by_dev[d] for d in self._local_devices])
+            for a, by_dev in zip(state, shards)
+        ]
+        self.cache, self.last, self.pos = (full[0], full[1]), full[2], full[3]
+        return tok
+
+    def run_prefill(self, p: Prefill) -> int:
+        return self.run_prefills((p,))[0]
 
     def run_decode(self, d: Decode) -> np.ndarray:
-        floats = np.stack([d.temperature, d.top_p]).astype(np.float32)
+        """Tokens of every slot (-1 for the slots another process holds)."""
+        floats = np.stack([d.temperature, d.top_p], axis=1).astype(np.float32)
         seeds = (np.asarray(d.seeds, np.int64) & 0x7FFFFFFF).astype(np.int32)
         self.cache, self.last, self.pos, toks = self._decode(
             self.params,
             self.cache,
             self.last,
             self.pos,
-            self._global(np.asarray(d.active, bool)),
-            self._global(seeds),
-            self._global(floats),
+            self._global(np.asarray(d.active, bool), self.rows),
+            self._global(seeds, self.rows),
+            self._global(floats, self.rows),
         )
         return self._local(toks)
 
     def step(self, step: Step) -> StepResult:
-        """Runs one engine iteration (call it in every process of the mesh with the same ``step``)."""
+        """Runs one engine iteration (call it in every process of the mesh with the same ``step``).
+
+        Tokens of slots held by other processes are -1: :func:`merge_results`
+        combines the results of every process.
+        """
         t0 = time.perf_counter()
-        firsts = tuple(self.run_prefill(p) for p in step.prefills)
-        toks = None if step.decode is None else self.run_decode(step.decode)
+        firsts = self.run_prefills(step.prefills) if step.prefills else ()
+        toks = None
+        if step.decode is not None:
+            if self.skip_others and not any(
+                self.group_of(int(s)) in self.local_groups for s in np.flatnonzero(step.decode.active)
+            ):
+                toks = np.full(self.num_slots, -1, np.int32)
+            else:
+                toks = self.run_decode(step.decode)
         return StepResult(firsts, toks, time.perf_counter() - t0)
 
     def warm_up(self, buckets: tuple[int, ...]) -> int:
-        """Compiles every program (one per prompt bucket, plus decode); returns compiles done."""
+        """Compiles every program (a prefill per bucket and local slot group, one decode); returns compiles done."""
         before = compile_count()
-        for b in buckets:
-            self.run_prefill(Prefill(slot=0, tokens=(0,), bucket=b, temperature=0.0, top_p=1.0, seed=0))
+        for g in sorted(self.local_groups):
+            for b in buckets:
+                slot = g * self.per_group
+                self.run_prefill(Prefill(slot=slot, tokens=(0,), bucket=b, temperature=0.0, top_p=1.0, seed=0))
         n = self.num_slots
         self.run_decode(
             Decode(np.zeros(n, bool), np.zeros(n, np.float32), np.ones(n, np.float32), np.zeros(n, np.uint32))
         )
         return compile_count() - before
+
+    def _first_local_group(self) -> int:
+        return min(self.local_groups)
+
+    def compiled_hlo(self, bucket: int | None = None) -> dict[str, str]:
+        """The optimized HLO of the decode program and of one prefill program (``bucket``: the smallest here).
+
+        The prefill is that of this process's first slot group (its partition
+        ids number the group's devices, see :meth:`program_devices`). Compiles
+        them ahead of time (it adds to :func:`compile_count`), so call it at
+        set-up or in tests, not while serving.
+        """
+        import jax
+
+        n, t = self.num_slots, 8 if bucket is None else bucket
+        rows = (np.zeros(n, bool), np.zeros(n, np.int32), np.zeros((n, 2), np.float32))
+        state = (self.params, self.cache, self.last, self.pos)
+        dec = self._decode.lower(*state, *(self._global(a, self.rows) for a in rows)).compile()
+        grp = self._groups[self._first_local_group()]
+        lm = self.lm
+        cache = jax.ShapeDtypeStruct(
+            (lm.num_layers, self.per_group, self.max_context, lm.num_heads, lm.head_dim),
+            self.cache[0].dtype,
+            sharding=grp["cache"],
+        )
+        slot_state = jax.ShapeDtypeStruct((self.per_group,), np.int32, sharding=grp["state"])
+        rep = grp["replicated"]
+        inputs = (
+            jax.ShapeDtypeStruct((1, t), np.int32, sharding=rep),
+            jax.ShapeDtypeStruct((1, 3), np.int32, sharding=rep),
+            jax.ShapeDtypeStruct((1, 2), np.float32, sharding=rep),
+        )
+        pref = grp["prefill"].lower(grp["params"], (cache, cache), slot_state, slot_state, *inputs).compile()
+        return {"decode": dec.as_text() or "", "prefill": pref.as_text() or ""}
+
+    def program_devices(self) -> dict[str, list[Any]]:
+        """The device of each partition id of the :meth:`compiled_hlo` programs (see :func:`collectives_spanning`)."""
+        prefill = self._groups[self._first_local_group()]["devices"]
+        return {"decode": list(self.mesh.devices.flat), "prefill": list(prefill)}
+
+    def collectives_between_hosts(self, bucket: int | None = None) -> list[str]:
+        """The collectives of the compiled programs whose devices lie on more than one host (process)."""
+        devices = self.program_devices()
+        out = []
+        for name, text in self.compiled_hlo(bucket).items():
+            hosts = [d.process_index for d in devices[name]]
+            out += [f"{name}: {line}" for line in collectives_spanning(text, hosts)]
+        return out
+
+
+_COLLECTIVE = re.compile(
+    r"(?<![%\w.-])(all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute|collective-broadcast)"
+    r"(-start)?\("
+)
+_GROUPS = re.compile(r"(?:replica_groups|source_target_pairs)=(\{[{}\d,\s]*\}|\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?)")
+
+
+def _parse_groups(text: str, num_ids: int) -> list[list[int]]:
+    if text.startswith("["):  # iota form: [groups,size]<=[dims]T(perm)
+        m = re.fullmatch(r"\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", text)
+        assert m is not None
+        shape = [int(x) for x in m.group(1).split(",")]
+        ids = np.arange(int(np.prod([int(x) for x in m.group(2).split(",")])))
+        ids = ids.reshape([int(x) for x in m.group(2).split(",")])
+        if m.group(3):
+            ids = ids.transpose([int(x) for x in m.group(3).split(",")])
+        return ids.reshape(shape[0], -1).tolist()
+    groups = [[int(x) for x in g.split(",") if x.strip()] for g in re.findall(r"\{([\d,\s]*)\}", text[1:-1])]
+    groups = [g for g in groups if g]
+    return groups or [list(range(num_ids))]  # {} means every device
+
+
+def collectives_spanning(hlo: str, group_of: list[int]) -> list[str]:
+    """Lines of ``hlo`` holding a collective between devices of different groups.
+
+    ``group_of[i]`` is the group (e.g. the host) of the device with
+    partition id ``i`` (the mesh's devices in row-major order). A collective
+    with no explicit groups spans every device.
+
+    Example:
+        >>> hlo = ("%a = f32[2] all-reduce(%x), replica_groups={{0,1},{2,3}}\\n"
+        ...        "%b = f32[2] all-gather(%a), replica_groups=[1,4]<=[4]")
+        >>> [line[:2] for line in collectives_spanning(hlo, [0, 0, 1, 1])]
+        ['%b']
+        >>> collectives_spanning(hlo, [0, 0, 0, 0])
+        []
+    """
+    out = []
+    for line in hlo.splitlines():
+        if not _COLLECTIVE.search(line):
+            continue
+        m = _GROUPS.search(line)
+        groups = _parse_groups(m.group(1), len(group_of)) if m else [list(range(len(group_of)))]
+        if any(len({group_of[i] for i in g}) > 1 for g in groups):
+            out.append(line.strip())
+    return out
+
+
+def merge_results(results: list[StepResult]) -> StepResult:
+    """One result from every process's (each knows the tokens of the slots it holds).
+
+    Example:
+        >>> a = StepResult((5, -1), np.array([1, -1]), 0.01)
+        >>> b = StepResult((-1, 7), np.array([-1, 2]), 0.02)
+        >>> m = merge_results([a, b])
+        >>> m.prefill_tokens, m.decode_tokens.tolist(), m.device_s
+        ((5, 7), [1, 2], 0.02)
+    """
+    first = results[0]
+    prefill = tuple(max(ts) for ts in zip(*(r.prefill_tokens for r in results))) if first.prefill_tokens else ()
+    decode = None
+    if first.decode_tokens is not None:
+        decode = np.max(np.stack([np.asarray(r.decode_tokens) for r in results]), axis=0)
+    return StepResult(prefill, decode, max(r.device_s for r in results))
 
 
 # -- inside gang processes (one per host of the slice) ----------------------------------------------
@@ -250,26 +551,31 @@ def host_setup(lm: LMConfig, engine_kwargs: dict[str, Any], checkpoint: str | No
         num_slots=engine_kwargs["num_slots"],
         max_context=engine_kwargs["max_context"],
         vocab_limit=engine_kwargs["vocab_limit"],
+        layout=engine_kwargs.get("layout", "auto"),
+        tensor_parallel=engine_kwargs.get("tensor_parallel"),
     )
     compiles = _RUNNER.warm_up(tuple(engine_kwargs["prefill_buckets"]))
+    crossing = _RUNNER.collectives_between_hosts(min(engine_kwargs["prefill_buckets"]))
+    _RUNNER.skip_others = not crossing and jax.process_count() > 1
     return {
         "process_index": jax.process_index(),
         "process_count": jax.process_count(),
         "device_count": jax.device_count(),
         "mesh": dict(_RUNNER.mesh.shape),
+        "layout": _RUNNER.layout,
+        "cross_host_collectives": len(crossing),
+        "skips_others": _RUNNER.skip_others,
+        "local_groups": sorted(_RUNNER.local_groups),
         "warm_up_compiles": compiles,
         "compiles": compile_count(),
     }
 
 
-def host_step(step: Step) -> StepResult | None:
-    """One engine iteration on this host; host 0 returns the tokens."""
-    import jax
-
+def host_step(step: Step) -> StepResult:
+    """One engine iteration on this host: the tokens of the slots it holds (see :func:`merge_results`)."""
     if _RUNNER is None:
         raise RuntimeError("the model was not set up on this host")
-    out = _RUNNER.step(step)
-    return out if jax.process_index() == 0 else None
+    return _RUNNER.step(step)
 
 
 def host_stats() -> dict[str, int]:
