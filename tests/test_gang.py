@@ -114,3 +114,51 @@ def test_lost_process_is_classified_preempted(ray_cluster):
             gang.run(_die, timeout_s=60)
     assert info.value.outcome is Outcome.PREEMPTED and info.value.rank == 1
     assert live_groups(PG_NAME_PREFIX) == []
+
+
+# -- warm pool: processes started ahead, adopted by the next gang ------------------------------
+def test_warm_pool_validates_and_starts_empty():
+    from rayslice.errors import InvalidArgument
+    from rayslice.warm import WarmPool
+
+    with pytest.raises(InvalidArgument, match="imports='jax'"):
+        WarmPool(imports="jax")
+    pool = WarmPool()
+    assert len(pool) == 0 and pool.node_ids == [] and pool.take("no-such-node") is None
+    pool.shutdown()  # nothing to kill: idempotent
+
+
+def test_a_gang_adopts_warm_processes_on_its_hosts_and_they_form_the_mesh(ray_cluster):
+    from rayslice.request import SliceRequest
+    from rayslice.warm import WarmPool, spare_hosts
+
+    from .test_train import _no_actors_left
+
+    options = {"max_concurrency": 2}
+    with busy_host(SLICE_A, 0), WarmPool(("jax",), options) as pool:
+        request = SliceRequest.parse("2x2x2", "TPU-V4")
+        spares = spare_hosts(request)  # slice-a is busy: slice-b's hosts
+        assert len(spares) == 2 and pool.warm(spares) == 2 and pool.warm(spares) == 0
+        with (
+            slice_placement_group(request, timeout_s=30, progress=False) as spg,
+            SliceGang(spg, init_timeout_s=90, actor_options=options, warm=pool) as gang,
+        ):
+            assert spg.slices[0].name == SLICE_B and len(pool) == 0
+            assert gang.timings["adopted"] == 2 and gang.timings["total_s"] >= gang.timings["init_s"]
+            out = gang.run(_identity, timeout_s=60)
+            sums = gang.run(_global_sum, timeout_s=60)
+        # A pool with other actor options is not used: fresh processes.
+        pool.warm(spares)
+        with (
+            slice_placement_group(request, timeout_s=30, progress=False) as spg,
+            SliceGang(spg, init_timeout_s=90, warm=pool, init_jax=False) as gang,
+        ):
+            assert gang.timings["adopted"] == 0 and len(pool) == 2
+    assert [o["env"]["TPU_WORKER_ID"] for o in out] == ["0", "1"] and [o["process_index"] for o in out] == [0, 1]
+    assert [o["ctx"].worker_id for o in out] == [0, 1] and sums == [12.0, 12.0]
+    assert live_groups(PG_NAME_PREFIX) == []
+    from rayslice._deadline import Deadline
+
+    deadline = Deadline(30)
+    while _no_actors_left():
+        deadline.sleep_or_raise(0.1, "warm processes left alive")

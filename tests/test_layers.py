@@ -22,11 +22,18 @@ LAYERS: list[tuple[str, ...]] = [
     ("rayslice.cluster",),
     ("rayslice.planning",),
     ("rayslice._progress", "rayslice._groups", "rayslice.placement"),
-    ("rayslice.gang", "rayslice.dispatch"),
+    ("rayslice.gang", "rayslice.warm", "rayslice.dispatch"),
     ("rayslice.metrics",),
     ("rayslice.data",),
-    ("rayslice.train", "rayslice.serve"),
-    ("rayslice.serve.llm", "rayslice.profiler", "rayslice.sim", "rayslice.k8s"),
+    ("rayslice.train", "rayslice.train.elastic", "rayslice.serve"),
+    (
+        "rayslice.serve.llm",
+        "rayslice.profiler",
+        "rayslice.sim",
+        "rayslice.sim_spec",
+        "rayslice._quiet_ray",
+        "rayslice.k8s",
+    ),
     ("rayslice._tables", "rayslice._demo_model", "rayslice.demo", "rayslice.cli", "rayslice"),
 ]
 

@@ -104,6 +104,10 @@ def test_list_slices_sees_the_cluster(ray_cluster):
         assert all(h.ip and h.chips_total == 4 == h.chips_free for h in s.hosts)
 
 
+def _pid() -> int:
+    return os.getpid()
+
+
 def test_preempt_and_add_slice_are_reflected(ray_cluster):
     sim = ray_cluster
     # A slice of its own (v6e 2x4 as two 4-chip hosts), so the shared ones stay intact.
@@ -111,8 +115,26 @@ def test_preempt_and_add_slice_are_reflected(ray_cluster):
     s = {x.name: x for x in rayslice.list_slices()}[name]
     assert (s.state, s.hosts_alive, s.hosts_expected, s.chips_per_host) == ("free", 2, 2, 4)
 
-    sim.preempt_host(name, 1)
-    s = {x.name: x for x in rayslice.list_slices()}[name]
+    # A process running on the host dies with it, as on a preempted VM (not when it notices its raylet is gone).
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from rayslice._deadline import Deadline
+
+    node = sim.slices[name].hosts[1].node_id
+    pid = ray.get(
+        ray.remote(num_cpus=0)(_pid)
+        .options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False))
+        .remote()
+    )
+    worker = psutil.Process(pid)
+    sim.preempt_host(name, 1, wait=False)
+    gone = Deadline(0.5)  # SIGKILLed with the node; on its own the worker would linger about a second
+    while worker.is_running() and worker.status() != psutil.STATUS_ZOMBIE:
+        gone.sleep_or_raise(0.01, "the host's worker process outlived its host")
+    ray_sees = Deadline(30)
+    while (s := {x.name: x for x in rayslice.list_slices()}[name]).state != "incomplete":
+        ray_sees.sleep_or_raise(0.1, "Ray never declared the preempted host dead")
     assert s.state == "incomplete" and not s.is_complete
     assert [(h.worker_id, h.alive) for h in s.hosts] == [(0, True), (1, False)]
     # Incomplete slices are never usable.

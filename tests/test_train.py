@@ -82,6 +82,10 @@ def test_trains_checkpoints_and_restores_with_plain_orbax(ray_cluster, tmp_path)
     assert g.steps == 20 and g.seconds["productive"] > 0 and g.seconds["compile"] > 0 and g.seconds["lost"] == 0
     assert abs(sum(g.seconds.values()) - g.wall_s) < 1e-6
     assert len(g.attempts) == 1 and g.attempts[0]["compile"] == g.seconds["compile"]
+    c = g.compiles[0]  # JAX's own compile figures, inside the compile component; a fresh cache: misses, no hits
+    assert c["xla_s"] > 0 and c["cache_misses"] > 0 and c["cache_hits"] == 0
+    assert c["xla_s"] + c["trace_lower_s"] >= g.seconds["compile"] - 1e-9
+    assert g.as_dict()["compiles"] == [c] and g.as_dict()["compile_xla_s"] == c["xla_s"]
     assert os.listdir(f"{result.path}/compile_cache")  # JAX's persistent cache, for the next attempt
     assert live_groups(PG_NAME_PREFIX) == [] and _no_actors_left() == []
 

@@ -140,6 +140,61 @@ def test_goodput_per_attempt_adds_up_to_the_run():
     assert "attempt 2" in [c.header for c in out.table().columns]
 
 
+def test_goodput_books_only_what_jax_measured_as_compile():
+    g = GoodputTracker(clock=iter([0.0, 20.0]).__next__)
+    for attempt in range(2):
+        g.begin_attempt()
+        xla = 2.0 if attempt == 0 else 0.1  # the restart loads its programs from the persistent cache
+        g.on_reports(
+            [
+                {
+                    "step": 1,
+                    "step_s": 4.0,
+                    "stall_s": 0.0,
+                    "first": True,
+                    "restore_s": 0.5,
+                    "compile": (xla, 1.0, attempt * 3, 3 - attempt * 3),
+                },
+                {"step": 2, "step_s": 1.0, "stall_s": 0.0, "first": False},
+                {
+                    "step": 3,
+                    "step_s": 1.5,
+                    "stall_s": 0.0,
+                    "first": False,
+                    "compile": (0.25, 0.25, 0, 1),
+                },  # a recompile
+                {"step": 4, "step_s": 0.5, "stall_s": 0.0, "first": False, "compile": (5.0, 0.0, 0, 1)},  # clamped
+            ]
+        )
+        if attempt == 0:
+            g.on_failure(None, unreported_s=0.0)
+    out = g.finish()
+    first, restart = out.attempts
+    assert first["compile"] == 2.0 + 1.0 + 0.5 + 0.5 and restart["compile"] == 0.1 + 1.0 + 0.5 + 0.5
+    assert first["startup"] == 4.0 - 0.5 - 3.0 and first["restore"] == 0.5
+    assert restart["productive"] == 1.0 + 1.0 and first["productive"] == 0.0 and first["lost"] == 2.0
+    assert [c["xla_s"] for c in out.compiles] == [7.25, 5.35] and [c["cache_hits"] for c in out.compiles] == [0, 3]
+    assert abs(sum(out.seconds.values()) - out.wall_s) < 1e-9
+    d = out.as_dict()
+    assert d["compiles"][1]["cache_misses"] == 2 and d["compile_cache_hits"] == 3
+    rows = [c._cells for c in out.table().columns][0]
+    assert any("of which XLA" in r for r in rows) and any("trace + lower" in r for r in rows)
+
+
+def test_the_compile_clock_reads_jax_monitoring():
+    import jax
+    import jax.numpy as jnp
+
+    from rayslice.train.worker import compile_clock
+
+    clock = compile_clock()
+    assert compile_clock() is clock  # listeners registered once per process
+    before = clock.totals
+    jax.jit(lambda x: jnp.tanh(x @ x.T) * 3.0 + 1.25)(jnp.ones((7, 5))).block_until_ready()
+    after = clock.totals
+    assert after[0] > before[0] and after[1] > before[1]  # XLA compile, trace + lower
+
+
 def test_detection_time_is_its_own_goodput_component():
     g = GoodputTracker(clock=iter([0.0, 10.0]).__next__)
     g.on_reports(

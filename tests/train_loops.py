@@ -274,3 +274,85 @@ def hang_loop(config: dict) -> None:
             time.sleep(600)  # a wedged host: its process stays alive, its peers wait in the collective
         multihost_utils.sync_global_devices(f"step-{step}")
         report({"step_done": step, "attempt": ctx.attempt})
+
+
+def _block_replica_exchange(marker: str) -> None:
+    """This host's next RAM save reaches its own node's store, then hangs sending the replica (a test hook)."""
+    from rayslice.train.worker import _session
+
+    writer = _session().ram
+
+    def stuck(step: int, ref: object) -> None:
+        with open(marker, "w") as f:
+            f.write(str(step))
+        time.sleep(120)  # the node is killed meanwhile
+
+    writer._put_replica = stuck
+
+
+def ram_loop(config: dict) -> None:
+    """A small optax loop with a replicated and a row-sharded parameter; reports a digest of the final state.
+
+    Checkpoints when ``save_requested()`` (the RAM and storage cadences of the
+    run's ``CheckpointConfig``). With ``block_replica_at``, host ``block_rank``
+    of attempt 1 hangs in the replica exchange of that RAM step (see
+    :func:`_block_replica_exchange`).
+    """
+    import hashlib
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    from jax.experimental import multihost_utils
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from rayslice.data import iter_jax_batches
+    from rayslice.train import get_checkpoint, get_context, report, save_requested
+
+    ctx = get_context()
+    n = jax.device_count()
+    mesh = jax.make_mesh((n,), ("data",))
+    repl, rows = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+    tx = optax.adam(0.05)
+    params = {
+        "w": jax.device_put(jnp.zeros(4, jnp.float32), repl),
+        "table": jax.device_put(jnp.arange(n * 8, dtype=jnp.float32).reshape(n * 2, 4) / 10, rows),
+    }
+    placed = lambda tree: jax.tree.map(lambda a: rows if a.ndim == 2 else repl, tree)
+    opt = jax.jit(tx.init, out_shardings=placed(jax.eval_shape(tx.init, params)))(params)
+    state = {"params": params, "opt": opt}
+    shardings = placed(state)
+    ckpt = get_checkpoint()
+    data_state = None
+    if ckpt is not None:
+        state = ckpt.restore(state)
+        data_state = ckpt.data_state("data")
+    rng = np.random.default_rng(ctx.world_rank)
+    x = rng.standard_normal((config["steps"] * 8, 4)).astype(np.float32)
+    source = [{"x": x, "y": (x @ np.array(W_TRUE, np.float32)).astype(np.float32)}]
+    it = iter_jax_batches(source, batch_size=8, state=data_state, ragged="drop", columns=["x", "y"], sharding=rows)
+
+    def step(state, batch):
+        def loss_fn(p):
+            pred = batch["x"] @ p["w"] + jnp.mean(p["table"] ** 2)
+            return jnp.mean((pred - batch["y"]) ** 2)
+
+        loss, grads = jax.value_and_grad(loss_fn)(state["params"])
+        updates, opt = tx.update(grads, state["opt"], state["params"])
+        return {"params": optax.apply_updates(state["params"], updates), "opt": opt}, loss
+
+    jstep = jax.jit(step, out_shardings=(shardings, repl))
+    for batch in it:
+        state, loss = jstep(state, batch)
+        done = it.state()["batches"]
+        time.sleep(config.get("sleep_s", 0.0))
+        blocked = ctx.attempt == 1 and ctx.world_rank == config.get("block_rank", 1)
+        if blocked and done == config.get("block_replica_at"):
+            _block_replica_exchange(config["marker"])
+        extra = {"restored_from": ckpt.step if ckpt else 0, "tier": ckpt.tier if ckpt else ""}
+        report({"loss": loss, **extra}, checkpoint={**state, "data": it} if save_requested() else None)
+    final = multihost_utils.process_allgather(state, tiled=True)
+    digest = hashlib.sha256(b"".join(np.asarray(leaf).tobytes() for leaf in jax.tree.leaves(final))).hexdigest()
+    report({"digest": digest, "leaves": len(jax.tree.leaves(final))})

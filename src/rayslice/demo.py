@@ -12,6 +12,10 @@ running on this machine:
 6. prepare a dataset with Ray Data;
 7. train a Flax model on a 2-host slice with ``JaxTrainer``, preempting one of
    its hosts mid-run: the run resumes from its checkpoint on the other slice;
+   twice, with the recovery path rayslice had before (Ray's node death,
+   cold processes, no compilation cache, storage checkpoints only) and with
+   today's (heartbeats, warm spare processes, the cache, a RAM tier), and the
+   summary prints both goodputs;
 8. the node pool replaces the lost slice; batch inference over every row with
    ``batch_predict`` (``iter_jax_batches`` on every host of a slice);
 9. serve the trained model with Ray Serve on a whole slice and query it over HTTP;
@@ -37,6 +41,15 @@ from rich.panel import Panel
 from rayslice._tables import slices_table
 
 SLICES = (("v4", "2x2x2", "slice-a"), ("v4", "2x2x2", "slice-b"))
+# The training run: one pass over TRAIN_ROWS rows, BATCH_SIZE rows per host per step on the 2 hosts of a slice
+# (TRAIN_ROWS // (2 * BATCH_SIZE) = 224 steps), one host preempted at PREEMPT_AT of the way.
+TRAIN_ROWS = 458_752
+TEST_ROWS = 1024
+BATCH_SIZE = 1024
+PREEMPT_AT = 0.42
+STORAGE_EVERY = 8  # the "before" run: storage checkpoints, its only tier
+RAM_EVERY = 8  # the "after" run: the RAM tier every RAM_EVERY steps, storage every AFTER_STORAGE_EVERY
+AFTER_STORAGE_EVERY = 32
 
 
 def _host_report() -> dict:
@@ -235,6 +248,63 @@ def _llm(console: Console) -> str:
         serve.shutdown()
 
 
+def _train(console: Console, sim: Any, train_ds: Any, storage: str, *, fast: bool) -> Any:
+    """The demo's training run, preempted once: with rayslice's fast recovery, or the path it had before."""
+    import rayslice
+    from rayslice import _demo_model
+    from rayslice.train import CheckpointConfig, FailureConfig, JaxTrainer, RunConfig, ScalingConfig
+
+    preempted: list[str] = []
+    at = int(PREEMPT_AT * TRAIN_ROWS // (2 * BATCH_SIZE))
+
+    def preempt_once(report: dict) -> None:
+        if report["step"] >= at and not preempted:
+            busy = [s.name for s in rayslice.list_slices() if s.state == "busy"]
+            preempted.append(busy[0])
+            console.print(f"[yellow]>>> host 1 of {busy[0]} preempted (simulated) at step {report['step']}[/yellow]")
+            sim.preempt_host(busy[0], 1, wait=False)
+
+    if fast:  # the defaults, plus the RAM tier: the loop hands its state over every step, the config decides
+        checkpoints = CheckpointConfig(
+            num_to_keep=2, ram_every_steps=RAM_EVERY, storage_every_steps=AFTER_STORAGE_EVERY
+        )
+        failures = FailureConfig(max_preemptions=3)
+    else:  # detection by Ray's node death only, no notices, cold processes; storage every STORAGE_EVERY steps
+        checkpoints = CheckpointConfig(num_to_keep=2)
+        failures = FailureConfig(
+            max_preemptions=3, heartbeat_timeout_s=600, preemption_notices=False, warm_spares=False
+        )
+    result = JaxTrainer(
+        _demo_model.train_loop,
+        train_loop_config={"lr": 1e-3, "batch_size": BATCH_SIZE, "every": 1 if fast else STORAGE_EVERY},
+        scaling_config=ScalingConfig(topology="2x2x2", accelerator_type="TPU-V4"),
+        run_config=RunConfig(
+            name="demo" if fast else "demo-before",
+            storage_path=storage,
+            callbacks=[preempt_once],
+            checkpoint_config=checkpoints,
+            failure_config=failures,
+            compilation_cache=fast,
+        ),
+        datasets={"train": train_ds},
+        console=console,
+    ).fit()
+    if result.error is not None:
+        raise RuntimeError(f"training failed: {result.error}")
+    return result
+
+
+def _restart_xla(before: Any, after: Any) -> str:
+    """The restart's XLA compile (JAX's own timing) before -> after, with the persistent cache's hits."""
+    if len(before.compiles) < 2 or len(after.compiles) < 2:
+        return "no restart measured"
+    b, a = before.compiles[1], after.compiles[1]
+    return (
+        f"restart's XLA compile {b['xla_s']:.2f} -> {a['xla_s']:.2f} s ({a['cache_hits']:.0f} cache hits; "
+        f"first attempt {after.compiles[0]['xla_s']:.2f} s), trace + lower {a['trace_lower_s']:.2f} s"
+    )
+
+
 def _step(console: Console, n: int, text: str) -> None:
     console.rule(f"[bold]{n}. {text}")
 
@@ -324,44 +394,30 @@ def _train_and_infer(console: Console, sim: Any) -> dict[str, str]:
     import rayslice
     from rayslice import _demo_model
     from rayslice.sim import SliceSpec
-    from rayslice.train import CheckpointConfig, FailureConfig, JaxTrainer, RunConfig, ScalingConfig
 
     _step(console, 6, "Prepare data with Ray Data")
-    rows = 4096
+    rows = TRAIN_ROWS + TEST_ROWS
     ds = ray.data.range(rows).map_batches(_demo_model.make_features)
-    train_ds, test_ds = ds.train_test_split(test_size=0.25, seed=0)
+    train_ds, test_ds = ds.train_test_split(test_size=TEST_ROWS, seed=0)
     console.print(
         f"{rows} rows -> train {train_ds.count()}, test {test_ds.count()} (columns: {', '.join(ds.schema().names)})"
     )
 
-    _step(console, 7, "Train on a 2-host slice; one host is preempted mid-run")
-    preempted: list[str] = []
-
-    def preempt_once(report: dict) -> None:
-        if report["step"] >= 30 and not preempted:
-            busy = [s.name for s in rayslice.list_slices() if s.state == "busy"]
-            preempted.append(busy[0])
-            console.print(f"[yellow]>>> host 1 of {busy[0]} preempted (simulated) at step {report['step']}[/yellow]")
-            sim.preempt_host(busy[0], 1, wait=False)
-
+    _step(console, 7, "Train on a 2-host slice; one host is preempted mid-run (before/after fast recovery)")
     storage = tempfile.mkdtemp(prefix="rayslice-demo-")
-    trainer = JaxTrainer(
-        _demo_model.train_loop,
-        train_loop_config={"lr": 3e-3, "batch_size": 32, "every": 8, "step_delay_s": 0.03},
-        scaling_config=ScalingConfig(topology="2x2x2", accelerator_type="TPU-V4"),
-        run_config=RunConfig(
-            name="demo",
-            storage_path=storage,
-            callbacks=[preempt_once],
-            checkpoint_config=CheckpointConfig(num_to_keep=2),
-            failure_config=FailureConfig(max_preemptions=3),
-        ),
-        datasets={"train": train_ds},
-        console=console,
+    console.print(
+        "[bold]before[/bold]: the recovery path rayslice had before: a loss found when Ray declares the node "
+        "dead, cold processes, compile from scratch, restore from the last storage checkpoint "
+        f"(every {STORAGE_EVERY} steps)"
     )
-    result = trainer.fit()
-    if result.error is not None:
-        raise RuntimeError(f"training failed: {result.error}")
+    before = _train(console, sim, train_ds, storage, fast=False)
+    with console.status("the node pool replaces the lost slice"):
+        sim.add_slice(SliceSpec("TPU-V4", "2x2x2"))
+    console.print(
+        "[bold]after[/bold]: heartbeats inside the gang, warm spare processes, the compilation cache, "
+        f"and a RAM checkpoint every {RAM_EVERY} steps (storage every {AFTER_STORAGE_EVERY})"
+    )
+    result = _train(console, sim, train_ds, storage, fast=True)
     if result.checkpoint is None or not result.metrics:
         raise RuntimeError("training finished without a checkpoint or metrics")
     checkpoint = result.checkpoint.path
@@ -400,11 +456,16 @@ def _train_and_infer(console: Console, sim: Any) -> dict[str, str]:
     )
     served = _serve(console, checkpoint, preds)
     llm = _llm(console)
-    g = result.goodput
+    g, b = result.goodput, before.goodput
     return {
         "training": f"{g.steps} steps, loss {first:.3f} -> {last:.3f}, {result.preemptions} preemption recovered",
-        "goodput": f"{100 * g.fraction:.1f}% productive of {g.wall_s:.1f} s "
-        f"(lost work {g.seconds['lost']:.1f} s, {g.lost_steps} steps recomputed)",
+        "goodput": f"before {100 * b.fraction:.1f}% -> after {100 * g.fraction:.1f}% productive "
+        f"({b.wall_s:.1f} s -> {g.wall_s:.1f} s wall, {b.lost_steps} -> {g.lost_steps} steps recomputed)",
+        "recovery costs": f"detection {b.seconds['detection']:.1f} -> {g.seconds['detection']:.1f} s, "
+        f"start-up {b.seconds['startup']:.1f} -> {g.seconds['startup']:.1f} s, "
+        f"compile {b.seconds['compile']:.1f} -> {g.seconds['compile']:.1f} s, "
+        f"lost work {b.seconds['lost']:.1f} -> {g.seconds['lost']:.1f} s",
+        "compile cache": _restart_xla(b, g),
         "batch inference": f"{len(preds)} rows, test MSE {mse:.4f}",
         "serving": served,
         "LLM serving": llm,

@@ -30,7 +30,7 @@ import dataclasses
 import os
 import socket
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from rayslice._deadline import Deadline
 from rayslice.errors import GangError, Outcome, classify
@@ -158,16 +158,37 @@ def gang_environment(spg: SlicePlacementGroup, slice_index: int, worker_id: int)
 class _HostProcess:
     """The body of one gang actor (wrapped with ``ray.remote`` at start)."""
 
-    def __init__(self, env: dict[str, str], ctx: HostContext) -> None:
+    def __init__(self, env: dict[str, str] | None, ctx: HostContext | None) -> None:
+        # ``None, None``: a warm process of a :class:`~rayslice.warm.WarmPool`, given its host by :meth:`adopt` later.
+        self._held: socket.socket | None = None
+        self._ctx: HostContext | None = None
+        if env is not None and ctx is not None:
+            self.adopt(env, ctx)
+        _install_sigterm()  # in the actor's main thread: SIGTERM becomes a notice (see on_sigterm)
+
+    def adopt(self, env: dict[str, str], ctx: HostContext) -> bool:
+        """Becomes one host of a gang: sets that host's environment before JAX starts a backend."""
         global _CONTEXT
         # Never inherit multi-slice settings from the node or a previous job.
         for key in _MEGASCALE_KEYS:
             os.environ.pop(key, None)
+        # A gang process holds every chip of its host: as Ray does for a whole-host allocation,
+        # no visible-chips mask (a warm process was started without the bundle's resources).
+        os.environ.pop("TPU_VISIBLE_CHIPS", None)
         os.environ.update(env)
         _CONTEXT = ctx
         self._ctx = ctx
-        self._held: socket.socket | None = None
-        _install_sigterm()  # in the actor's main thread: SIGTERM becomes a notice (see on_sigterm)
+        return True
+
+    def warm_up(self, imports: Sequence[str]) -> float:
+        """Imports ``imports`` (e.g. ``"jax"``) without starting any JAX backend; returns the seconds taken."""
+        import importlib
+        import time
+
+        t0 = time.perf_counter()
+        for name in imports:
+            importlib.import_module(name)
+        return time.perf_counter() - t0
 
     def bind_coordinator_port(self) -> int:
         """Binds a port on this host and holds it until JAX takes it over."""
@@ -179,12 +200,22 @@ class _HostProcess:
 
     def init_jax(self, coordinator: str, num_processes: int, process_id: int, timeout_s: float) -> dict[str, Any]:
         global _CONTEXT
+        import time
+
+        if self._ctx is None:
+            raise RuntimeError("a warm gang process must be adopted before jax.distributed starts")
         if self._held is not None:
             # Hand the port over to JAX's coordination service, which binds it now.
             self._held.close()
             self._held = None
+        t0 = time.perf_counter()
         import jax
 
+        t1 = time.perf_counter()
+        if process_id != 0:
+            # A client that finds the coordination service not yet listening backs off for about a
+            # second before it retries; connect only once host 0's service accepts connections.
+            _wait_listening(coordinator, t1 + timeout_s)
         # JAX's own preemption service would take SIGTERM over (a C++ handler); rayslice's replaces it.
         jax.config.update("jax_enable_preemption_service", False)
         jax.distributed.initialize(
@@ -199,9 +230,11 @@ class _HostProcess:
             "process_count": jax.process_count(),
             "device_count": jax.device_count(),
             "local_device_count": jax.local_device_count(),
+            "import_s": t1 - t0,
+            "init_s": time.perf_counter() - t1,
         }
 
-    def context(self) -> HostContext:
+    def context(self) -> HostContext | None:
         return self._ctx
 
     def ping(self) -> bool:
@@ -221,6 +254,46 @@ class _HostProcess:
 
 def _ping() -> bool:
     return True
+
+
+def _wait_listening(address: str, until: float, poll_s: float = 0.005) -> bool:
+    """Waits until a TCP server accepts connections at ``host:port`` (or ``until``, perf_counter); True if it does.
+
+    Example:
+        >>> import time
+        >>> _wait_listening("127.0.0.1:1", time.perf_counter() + 0.05)  # nothing listens on port 1
+        False
+    """
+    import time
+
+    host, _, port = address.rpartition(":")
+    while True:
+        try:
+            with socket.create_connection((host, int(port)), timeout=max(poll_s, 0.05)):
+                return True
+        except OSError:
+            if time.perf_counter() + poll_s >= until:
+                return False
+            time.sleep(poll_s)
+
+
+def _actor_class(options: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """The Ray actor class of gang processes for these actor options, and the options left for ``.options``."""
+    import ray
+
+    options = dict(options)
+    groups = options.pop("concurrency_groups", None)  # Ray takes them only at ray.remote, not .options
+    cls = ray.remote(concurrency_groups=groups)(_HostProcess) if groups else ray.remote(_HostProcess)  # type: ignore[call-overload]
+    return cls, options
+
+
+def _kill(actor: Any) -> None:
+    import ray
+
+    try:
+        ray.kill(actor, no_restart=True)
+    except Exception:  # already dead, or the cluster is gone
+        pass
 
 
 def _ordered_get(refs: Sequence[Any], deadline: Deadline, what: str) -> list[Any]:
@@ -249,6 +322,20 @@ def _ordered_get(refs: Sequence[Any], deadline: Deadline, what: str) -> list[Any
     return results
 
 
+class WarmSource(Protocol):
+    """What :class:`SliceGang` needs of a warm pool (:class:`rayslice.warm.WarmPool` is one).
+
+    A gang adopts the pool's process on a reserved host instead of starting a
+    fresh one, and only when the pool's actor options are the gang's own.
+    """
+
+    actor_options: dict[str, Any]
+
+    def take(self, node_id: str) -> Any | None:
+        """The pool's process on ``node_id`` (now the caller's), or None."""
+        ...
+
+
 class SliceGang:
     """One process per reserved host, with ``jax.distributed`` initialised.
 
@@ -263,6 +350,15 @@ class SliceGang:
             ``rayslice``) so tools such as ``rayslice profile`` can find them.
         artifacts_dir: Where the job keeps its outputs (profiles go under
             it); seen by the processes as ``host_context().artifacts_dir``.
+        warm: A :class:`~rayslice.warm.WarmPool` whose processes on the reserved hosts this
+            gang adopts instead of starting fresh ones (used only when its
+            actor options are the gang's).
+
+    After :meth:`start`, :attr:`timings` says where the start-up time went:
+    ``processes_s`` (every process up and holding its host's environment),
+    ``import_s`` and ``init_s`` (the slowest host's ``import jax`` and
+    ``jax.distributed.initialize``), ``total_s``, and ``adopted`` (processes
+    taken from the warm pool).
 
     Example:
         >>> with slice_placement_group("2x2x2", "v4") as spg, SliceGang(spg) as gang:  # doctest: +SKIP
@@ -280,8 +376,11 @@ class SliceGang:
         actor_options: dict[str, Any] | None = None,
         name: str | None = None,
         artifacts_dir: str | None = None,
+        warm: WarmSource | None = None,
     ) -> None:
         self.spg = spg
+        self.warm = warm
+        self.timings: dict[str, float] = {}
         self.artifacts_dir = artifacts_dir
         self.name = name
         self.actor_options = dict(actor_options or {})
@@ -293,16 +392,17 @@ class SliceGang:
         self.jax_info: list[dict[str, Any]] = []
 
     def start(self) -> SliceGang:
+        import time
         import uuid
 
-        import ray
-
+        t0 = time.perf_counter()
         topo = self.spg.topology
-        options = dict(self.actor_options)
-        groups = options.pop("concurrency_groups", None)  # Ray takes them only at ray.remote, not .options
-        actor_cls = ray.remote(concurrency_groups=groups)(_HostProcess) if groups else ray.remote(_HostProcess)  # type: ignore[call-overload]
+        actor_cls, options = _actor_class(self.actor_options)
+        warm = self.warm if self.warm is not None and self.warm.actor_options == self.actor_options else None
         world = self.spg.num_hosts
         gang_id = uuid.uuid4().hex[:8]
+        up: list[Any] = []  # per rank: a call that returns once the process is up with its environment
+        adopted = 0
         try:
             for rank, (s, h) in enumerate(self.spg.hosts()):
                 ctx = HostContext(
@@ -319,6 +419,13 @@ class SliceGang:
                     artifacts_dir=self.artifacts_dir,
                 )
                 env = {**gang_environment(self.spg, s.slice_index, h.worker_id), **self.env}
+                actor = warm.take(h.node_id) if warm is not None else None
+                if actor is not None:
+                    self.actors.append(actor)
+                    self.contexts.append(ctx)
+                    up.append(actor.adopt.remote(env, ctx))
+                    adopted += 1
+                    continue
                 actor = actor_cls.options(
                     num_cpus=0,
                     resources={"TPU": float(topo.chips_per_host)},
@@ -332,15 +439,21 @@ class SliceGang:
                 ).remote(env, ctx)
                 self.actors.append(actor)
                 self.contexts.append(ctx)
+                up.append(actor.ping.remote())
+            deadline = Deadline(self.init_timeout_s)
+            _ordered_get(up, deadline, "starting gang processes")
+            self.timings = {"processes_s": time.perf_counter() - t0, "adopted": float(adopted)}
             if self.init_jax:
-                self._init_jax()
+                self._init_jax(deadline)
+                self.timings["import_s"] = max(i.pop("import_s", 0.0) for i in self.jax_info)
+                self.timings["init_s"] = max(i.pop("init_s", 0.0) for i in self.jax_info)
+            self.timings["total_s"] = time.perf_counter() - t0
         except BaseException:
             self.shutdown()
             raise
         return self
 
-    def _init_jax(self) -> None:
-        deadline = Deadline(self.init_timeout_s)
+    def _init_jax(self, deadline: Deadline) -> None:
         port = _ordered_get([self.actors[0].bind_coordinator_port.remote()], deadline, "coordinator port")[0]
         ip = self.spg.slices[0].hosts[0].ip
         coordinator = f"{ip}:{port}"
@@ -416,13 +529,8 @@ class SliceGang:
 
     def shutdown(self) -> None:
         """Kills every gang process. Idempotent."""
-        import ray
-
         for a in self.actors:
-            try:
-                ray.kill(a, no_restart=True)
-            except Exception:  # already dead, or the cluster is gone
-                pass
+            _kill(a)
         self.actors = []
 
     def __enter__(self) -> SliceGang:

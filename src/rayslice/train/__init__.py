@@ -16,7 +16,9 @@ from rayslice.train.checkpoint import Checkpoint, latest_complete_step
 from rayslice.train.config import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig, UserCallback
 from rayslice.train.context import TrainContext, current_context
 from rayslice.train.controller import JaxTrainer, Result, TrainRunContext
+from rayslice.train.elastic import ResizeEvent
 from rayslice.train.goodput import AttemptEnd, Goodput
+from rayslice.train.ramtier import RamCheckpoint, RestoreChoice
 from rayslice.train.worker import (
     PreemptionStop,
     get_checkpoint,
@@ -44,6 +46,9 @@ __all__ = [
     "get_context",
     "get_dataset_shard",
     "PreemptionStop",
+    "ResizeEvent",
+    "RamCheckpoint",
+    "RestoreChoice",
     "latest_complete_step",
     "report",
     "save_requested",

@@ -131,6 +131,33 @@ def latest_checkpoint(root: str) -> Checkpoint | None:
     return None if step is None else Checkpoint(step_dir(root, step), step)
 
 
+# -- restore time --------------------------------------------------------------
+_RESTORE_S = [0.0]
+
+
+@contextlib.contextmanager
+def restore_timer() -> Iterator[None]:
+    """Adds the time of the block to this process's restore time (see :func:`take_restore_seconds`)."""
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        _RESTORE_S[0] += time.perf_counter() - t0
+
+
+def take_restore_seconds() -> float:
+    """Seconds spent in ``restore()`` in this process since the last call (the worker books them as "restore").
+
+    Example:
+        >>> with restore_timer():
+        ...     pass
+        >>> take_restore_seconds() >= 0.0, take_restore_seconds()
+        (True, 0.0)
+    """
+    seconds, _RESTORE_S[0] = _RESTORE_S[0], 0.0
+    return seconds
+
+
 # -- the handle --------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class Checkpoint:
@@ -184,6 +211,11 @@ class Checkpoint:
         import pyarrow.fs
 
         return pyarrow.fs.FileSystem.from_uri(self.path if not _is_local(self.path) else os.path.abspath(self.path))[0]
+
+    @property
+    def tier(self) -> str:
+        """``"storage"``: run storage (a :class:`~rayslice.train.ramtier.RamCheckpoint` says ``"ram"``)."""
+        return "storage"
 
     @property
     def kind(self) -> str:
@@ -243,7 +275,9 @@ class Checkpoint:
         """The saved state of data iterator ``key`` for this host (or ``rank``).
 
         Inside a training worker ``rank`` defaults to this host's rank;
-        elsewhere pass it.
+        elsewhere pass it. In an elastic run whose data was split again at
+        or after this step (a resize), None: the host's new shard holds just
+        the rows not yet consumed, read from its start.
         """
         meta = self.metadata()
         states = meta.get("data_states", {}).get(key)
@@ -255,6 +289,8 @@ class Checkpoint:
             if ctx is None:
                 raise fail("rank", rank, "a host rank (an int >= 0) outside a training worker")
             rank, world = ctx.world_rank, ctx.world_size
+            if ctx.data_resplit_step is not None and self.step is not None and self.step <= ctx.data_resplit_step:
+                return None  # an elastic resize split the rows left again: this host's shard starts fresh
         rank = check_int("rank", rank, minimum=0)
         if rank >= len(states) or (world is not None and world != meta.get("world_size", len(states))):
             # A restart on more hosts than the checkpoint was written by: the
@@ -274,7 +310,7 @@ class Checkpoint:
             )
         import orbax.checkpoint as ocp
 
-        with ocp.StandardCheckpointer() as ckptr:
+        with restore_timer(), ocp.StandardCheckpointer() as ckptr:
             return ckptr.restore(f"{self.path.rstrip('/')}/{STATE_ITEM}", target)
 
 

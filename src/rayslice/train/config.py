@@ -43,6 +43,12 @@ __all__ = ["CheckpointConfig", "FailureConfig", "RunConfig", "ScalingConfig", "U
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_SPREAD", "STRICT_PACK")
 
 
+def cast_int(value: int | None) -> int:
+    """``value`` once validation filled it in (never None after ``__post_init__``)."""
+    assert value is not None
+    return value
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ScalingConfig:
     """Where to train: one worker per host of ``num_slices`` whole slices.
@@ -68,8 +74,30 @@ class ScalingConfig:
             for multi-host slices.
         reservation_timeout_s: Longest wait for free slices, per attempt.
         init_timeout_s: Deadline for all processes to start and form the JAX mesh.
+        min_slices: Elastic training (see ``docs/elastic.md``): the fewest
+            slices to train on. The run starts on as many whole slices as are
+            free (at least ``min_slices``, at most ``num_slices``, waiting up
+            to ``reservation_timeout_s`` for ``min_slices``), goes on at once
+            on the survivors when a slice is lost, and grows back at a
+            checkpoint boundary when slices are free again. Default:
+            ``num_slices`` (not elastic).
+        regrow_every_s: Least seconds between a resize and a grow-back.
+        keep_global_batch: True (default): the global batch stays constant;
+            on ``k`` of ``num_slices`` slices the function runs
+            ``get_context().grad_accum_steps`` (= ``num_slices / k``)
+            micro-steps of the same per-host batch per step, so only sizes
+            dividing ``num_slices`` are taken. False: every size from
+            ``min_slices`` up; the global batch shrinks with the world.
+        mesh: The full-size mesh the function builds, ``{axis: size}`` (one
+            size may be -1), outermost (across slices) axis first. An elastic
+            run shrinks only that first axis (``get_context().mesh_shape``
+            has the shape for the current size), so the other axes must fit
+            in one slice. None: one data-parallel axis over every device.
 
     Example:
+        >>> sc = ScalingConfig(topology="2x2x2", accelerator_type="TPU-V4", num_slices=4, min_slices=2)
+        >>> sc.elastic, sc.elastic_sizes
+        (True, (2, 4))
         >>> ScalingConfig(topology="2x2x2", accelerator_type="TPU-V4", num_workers=3)
         Traceback (most recent call last):
         ...
@@ -87,6 +115,10 @@ class ScalingConfig:
     placement_strategy: str = "PACK"
     reservation_timeout_s: float = 600.0
     init_timeout_s: float = 180.0
+    min_slices: int | None = None
+    regrow_every_s: float = 60.0
+    keep_global_batch: bool = True
+    mesh: Mapping[str, int] | None = None
     _request: SliceRequest = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -165,6 +197,44 @@ class ScalingConfig:
         if self.chips_per_host is None:
             object.__setattr__(self, "chips_per_host", topo.chips_per_host)
         self._check_tpu()
+        self._check_elastic(slices, topo)
+
+    def _check_elastic(self, slices: int, topo: Topology) -> None:
+        """Validates the elastic fields (before any reservation)."""
+        from rayslice.train.elastic import check_mesh, elastic_sizes
+
+        if isinstance(self.min_slices, int) and not isinstance(self.min_slices, bool) and self.min_slices > slices:
+            raise fail("min_slices", self.min_slices, f"an integer from 1 to num_slices={slices}")
+        low = check_optional(check_int, "min_slices", self.min_slices, minimum=1, maximum=slices)
+        object.__setattr__(self, "min_slices", slices if low is None else low)
+        object.__setattr__(
+            self, "regrow_every_s", check_float("regrow_every_s", self.regrow_every_s, minimum=0, maximum=86400)
+        )
+        check_bool("keep_global_batch", self.keep_global_batch)
+        sizes = elastic_sizes(slices, cast_int(self.min_slices), self.keep_global_batch)
+        if self.elastic and len(sizes) < 2:
+            raise fail(
+                "min_slices",
+                self.min_slices,
+                f"a value whose range {self.min_slices}..{slices} holds a divisor of num_slices={slices} "
+                f"below it (the global batch is kept by num_slices / slices accumulation steps), "
+                "or keep_global_batch=False",
+            )
+        if self.mesh is not None:
+            full = check_mesh(self.mesh, slices, topo.num_devices, self.elastic)
+            object.__setattr__(self, "mesh", full)
+
+    @property
+    def elastic(self) -> bool:
+        """True when the run may train on fewer slices than ``num_slices`` (``min_slices < num_slices``)."""
+        return cast_int(self.min_slices) < cast_int(self.num_slices)
+
+    @property
+    def elastic_sizes(self) -> tuple[int, ...]:
+        """The slice counts the run may train on, ascending (only ``num_slices`` when not elastic)."""
+        from rayslice.train.elastic import elastic_sizes
+
+        return elastic_sizes(cast_int(self.num_slices), cast_int(self.min_slices), self.keep_global_batch)
 
     def _extra_resources(self) -> dict[str, float]:
         per_host = check_resources("resources_per_host", self.resources_per_host, forbidden=("TPU",))
@@ -216,18 +286,52 @@ class CheckpointConfig:
             checkpoint that ranks them (Ray's name).
         checkpoint_score_order: "max" or "min": which scores are best.
         async_save: Save arrays in the background: the next step does not wait for storage.
+        ram_every_steps: The RAM tier (``rayslice.train.ramtier``): a pytree
+            reported at a step that is a multiple of this is kept in host
+            memory, on its host's node and as a replica on a buddy host (of
+            another slice, or the next host of a one-slice run), and a restart
+            restores from it when every shard is still reachable and it is at
+            least as new as the newest storage checkpoint. None (default): off.
+        storage_every_steps: Persistent (Orbax) cadence of reported pytrees:
+            only steps that are a multiple of this go to storage (emergency
+            saves of a preemption notice always do). None (default): every
+            reported pytree goes to storage. Directory checkpoints
+            (``Checkpoint.from_directory``) always go to storage.
+
+    With either cadence set, a loop can pass its state at every step and let
+    the config decide, or ask ``rayslice.train.save_requested()`` (True when
+    the step about to be reported needs a checkpoint for any reason).
 
     Example:
         >>> CheckpointConfig(num_to_keep=2, checkpoint_score_attribute="loss", checkpoint_score_order="min").num_to_keep
         2
+        >>> cc = CheckpointConfig(ram_every_steps=10, storage_every_steps=100)
+        >>> [s for s in (10, 15, 100) if cc.ram_step(s)], [s for s in (10, 15, 100) if cc.storage_step(s)]
+        ([10, 100], [100])
+        >>> CheckpointConfig(ram_every_steps=0)
+        Traceback (most recent call last):
+        ...
+        rayslice.errors.InvalidArgument: ram_every_steps=0 is not valid: expected an integer >= 1
     """
 
     num_to_keep: int | None = None
     checkpoint_score_attribute: str | None = None
     checkpoint_score_order: str = "max"
     async_save: bool = True
+    ram_every_steps: int | None = None
+    storage_every_steps: int | None = None
+
+    def ram_step(self, step: int) -> bool:
+        """Whether a pytree reported at ``step`` is kept in the RAM tier."""
+        return self.ram_every_steps is not None and step % self.ram_every_steps == 0
+
+    def storage_step(self, step: int) -> bool:
+        """Whether a pytree reported at ``step`` goes to storage (an emergency save always does)."""
+        return self.storage_every_steps is None or step % self.storage_every_steps == 0
 
     def __post_init__(self) -> None:
+        check_optional(check_int, "ram_every_steps", self.ram_every_steps, minimum=1)
+        check_optional(check_int, "storage_every_steps", self.storage_every_steps, minimum=1)
         check_optional(check_int, "num_to_keep", self.num_to_keep, minimum=1)
         check_optional(check_str, "checkpoint_score_attribute", self.checkpoint_score_attribute)
         check_choice("checkpoint_score_order", self.checkpoint_score_order, ("max", "min"))
@@ -261,6 +365,11 @@ class FailureConfig:
             step (see ``rayslice.train.notice``). Default True.
         notice_poll_s: Seconds between polls of the GCE metadata server and
             of Ray's draining nodes.
+        warm_spares: Keep one pre-started gang process (``import jax`` done,
+            no chips held) on each host of a free slice of the run's shape,
+            which the next attempt adopts instead of starting cold
+            (``rayslice.warm.WarmPool``): a restart on spare capacity skips
+            process start and imports. Default True.
 
     Example:
         >>> FailureConfig(max_preemption_failures=3).max_preemptions
@@ -276,10 +385,12 @@ class FailureConfig:
     step_timeout_s: float | None = None
     preemption_notices: bool = True
     notice_poll_s: float = 1.0
+    warm_spares: bool = True
 
     def __post_init__(self) -> None:
         check_int("max_failures", self.max_failures, minimum=-1)
         check_bool("preemption_notices", self.preemption_notices)
+        check_bool("warm_spares", self.warm_spares)
         object.__setattr__(
             self, "notice_poll_s", check_float("notice_poll_s", self.notice_poll_s, minimum=0.05, maximum=600)
         )

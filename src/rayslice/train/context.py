@@ -21,6 +21,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 
 __all__ = ["TrainContext", "current_context"]
 
@@ -46,6 +47,29 @@ class TrainContext:
         slice_name: The slice's name (``ray.io/tpu-slice-name``).
         local_rank: Always 0 (one process per host).
         run_id: Unique per ``fit()`` call (resumed runs keep the name, not the id).
+        max_slices: ``ScalingConfig.num_slices``: the slices of the full-size
+            run (an elastic run may train on fewer, ``num_slices``).
+        elastic_epoch: 0 at first, +1 each time an elastic run resizes (a
+            new world size and a new split of the data).
+        grad_accum_steps: Gradient-accumulation micro-steps per step that
+            keep the global batch constant on this size (``max_slices /
+            num_slices``; 1 when the run is not elastic or opts out with
+            ``keep_global_batch=False``). Each micro-step takes one batch of
+            the usual per-host size.
+        mesh_shape: The mesh the function should build on this size,
+            ``{axis: size}`` in order (``ScalingConfig.mesh`` with its first
+            axis scaled; default one ``"data"`` axis over every device).
+        data_resplit_step: The checkpoint step at which this epoch's dataset
+            shards were split again (None: the original split): saved data
+            positions of that step or before belong to the old split, and
+            ``Checkpoint.data_state`` returns None for them (start of the
+            new shard, which holds exactly the rows not yet consumed).
+
+    Example:
+        >>> ctx = TrainContext(0, 2, 0, 1, 0, 2, 4, "r", "/tmp/r", 2, max_slices=2, elastic_epoch=1,
+        ...                    grad_accum_steps=2)
+        >>> ctx.mesh_shape, ctx.world_device_count
+        ({'data': 8}, 8)
     """
 
     world_rank: int
@@ -61,6 +85,27 @@ class TrainContext:
     slice_name: str = ""
     local_rank: int = 0
     run_id: str = ""
+    max_slices: int = 0
+    elastic_epoch: int = 0
+    grad_accum_steps: int = 1
+    mesh_shape: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    data_resplit_step: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.max_slices:
+            object.__setattr__(self, "max_slices", self.num_slices)
+        if not self.mesh_shape:
+            object.__setattr__(self, "mesh_shape", {"data": self.world_size * self.local_device_count})
+
+    @property
+    def world_device_count(self) -> int:
+        """JAX devices over every host of this size (``jax.device_count()``)."""
+        return self.world_size * self.local_device_count
+
+    @property
+    def elastic(self) -> bool:
+        """True while an elastic run trains on fewer slices than its full size."""
+        return self.num_slices < self.max_slices
 
     # Ray Train's getters (ray.train.get_context()), for code written against it.
     def get_world_rank(self) -> int:

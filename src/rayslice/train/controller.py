@@ -45,7 +45,8 @@ from rayslice.train.checkpoint import (
 )
 from rayslice.train.config import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from rayslice.train.context import TrainContext
-from rayslice.train.goodput import AttemptEnd, Goodput, GoodputTracker
+from rayslice.train.elastic import GROW_REASON, ElasticRun, request_grow
+from rayslice.train.goodput import AttemptEnd, GoodputTracker
 from rayslice.train.heartbeat import (
     HeartbeatMonitor,
     Verdict,
@@ -54,91 +55,16 @@ from rayslice.train.heartbeat import (
     period_for,
     read_beats,
 )
+from rayslice.train.ramtier import RamTier, RestoreChoice
+from rayslice.train.result import Result, TrainRunContext
 from rayslice.train.worker import drain_reports, run_worker
+from rayslice.warm import WarmPool, spare_hosts
 
 logger = logging.getLogger(__name__)
 _POLL_S = 0.2
-
-
-@dataclasses.dataclass(frozen=True)
-class TrainRunContext:
-    """What ``UserCallback`` hooks get as ``run_context`` (Ray Train's name).
-
-    Attributes:
-        run_id: Unique per ``fit()`` call.
-        name: The run's name (fresh per ``fit()`` unless ``RunConfig.name`` is set).
-        path: ``<storage_path>/<name>``.
-        run_config: The run's :class:`RunConfig`.
-        scaling_config: The run's :class:`ScalingConfig`.
-        train_loop_config: What the training function gets.
-    """
-
-    run_id: str
-    name: str
-    path: str
-    run_config: RunConfig
-    scaling_config: ScalingConfig
-    train_loop_config: Any
-
-    def get_run_config(self) -> RunConfig:
-        return self.run_config
-
-
-@dataclasses.dataclass
-class Result:
-    """What ``fit()`` returns (Ray Train's attributes, plus rayslice's).
-
-    Attributes:
-        metrics: Rank 0's last reported metrics (None if nothing was reported).
-        metrics_history: Rank 0's reports in order, ``[{"step": ..., **metrics}]``.
-        checkpoint: The latest complete checkpoint, or None.
-        path: ``<storage_path>/<name>``.
-        error: The error that ended the run (your exception, a reservation
-            or gang error), or None. ``fit()`` returns it rather than raising.
-        goodput: Where the wall time went.
-        attempts, preemptions, failures: Attempt counts.
-        name: The run's name (pass it as ``RunConfig(name=...)`` to resume).
-        return_value: What the training function returned on rank 0.
-        best_checkpoints: ``[(Checkpoint, metrics)]`` for every complete
-            checkpoint on storage, oldest first.
-    """
-
-    metrics: dict[str, Any] | None
-    metrics_history: list[dict[str, Any]]
-    checkpoint: Checkpoint | None
-    path: str
-    error: BaseException | None
-    goodput: Goodput
-    attempts: int
-    preemptions: int
-    failures: int
-    name: str = ""
-    return_value: Any = None
-    best_checkpoints: list[tuple[Checkpoint, dict[str, Any]]] = dataclasses.field(default_factory=list)
-
-    @property
-    def metrics_dataframe(self) -> Any:
-        """``metrics_history`` as a pandas DataFrame, one row per report."""
-        import pandas as pd
-
-        return pd.DataFrame(self.metrics_history)
-
-    @property
-    def filesystem(self) -> Any:
-        """A ``pyarrow.fs.FileSystem`` for :attr:`path` (as Ray's ``Result.filesystem``)."""
-        import pyarrow.fs
-
-        return pyarrow.fs.FileSystem.from_uri(self.path)[0]
-
-    def get_best_checkpoint(self, metric: str, mode: str) -> Checkpoint | None:
-        """The checkpoint whose ``metric`` is highest (``mode="max"``) or lowest (``"min"``)."""
-        if mode not in ("max", "min"):
-            raise fail("mode", mode, "'max' or 'min'")
-        scored = [(m[metric], c) for c, m in self.best_checkpoints if isinstance(m.get(metric), int | float)]
-        if not scored:
-            return None
-        pick = max if mode == "max" else min
-        return pick(scored, key=lambda t: t[0])[1]
+# What a warm spare process imports ahead of an attempt: JAX, Orbax (restores) and the worker side.
+_WARM_IMPORTS = ("jax", "orbax.checkpoint", "rayslice.train.worker")
+_WARM_REFRESH_S = 5.0  # how often a running attempt looks for new spare hosts to warm
 
 
 class _CallbackFailed(Exception):
@@ -220,6 +146,13 @@ class JaxTrainer:
                     f"<SlicePlacementGroup {held}>",
                     f"a reservation of {wanted} (what scaling_config asks for)",
                 )
+            if scaling_config.elastic:
+                raise fail(
+                    "tpu_slice",
+                    f"<SlicePlacementGroup {held}>",
+                    "None for an elastic run (min_slices < "
+                    "num_slices): it reserves and gives back slices as they come and go",
+                )
         self.run_config = check_instance(
             "run_config",
             RunConfig() if run_config is None else run_config,
@@ -269,7 +202,15 @@ class JaxTrainer:
         error: BaseException | None = None
         self._return_value = None
         self._avoid: set[str] = set()  # slices with a host that just stopped answering
+        self._warm: WarmPool | None = None  # pre-started processes on spare hosts (FailureConfig.warm_spares)
         self._detection_s = 0.0
+        self._elastic = ElasticRun(self.scaling, path, self._say) if self.scaling.elastic else None
+        # The RAM tier (CheckpointConfig.ram_every_steps): its stores live for the whole fit().
+        every = self._cc.ram_every_steps
+        self._ram = RamTier(self._run.run_id, every) if every else None
+        self._restores: list[RestoreChoice] = []
+        self._next_restore: RestoreChoice | None = None  # chosen when an attempt failed (None: choose at start)
+        self._lost_nodes: set[str] = set()  # nodes of hosts found lost: their RAM stores are gone
         status = self.console.status("starting") if rc.progress else None
         if status:
             status.start()
@@ -297,7 +238,14 @@ class JaxTrainer:
                     tracker.end_attempt(AttemptEnd(attempt, out.outcome.value, reason))
                 if out.ok:
                     break
-                restore = latest_complete_step(self._root)
+                if self._elastic is not None:  # why the next attempt may take another size
+                    grow = notice is not None and notice.get("reason") == GROW_REASON
+                    self._elastic.reason = "grow" if grow else "lost" if out.outcome is Outcome.PREEMPTED else "restart"
+                    if grow and notice is not None:  # a clean stop at a saved step, not a failure
+                        self._say(f"attempt {attempt}: saved step {notice['step']}; growing back onto free slices")
+                        continue
+                self._next_restore = choice = self._choose_restore(attempt + 1)
+                restore = choice.step
                 tracker.on_failure(restore, out.lost_s, self._detection_s)
                 self._after_exception(out)
                 if out.outcome is Outcome.PREEMPTED:
@@ -320,7 +268,7 @@ class JaxTrainer:
                     ok = out.outcome is not Outcome.CANCELLED and _budget_left(failures, self._fc.max_failures)
                 self._say(
                     f"attempt {attempt}: {out.outcome.value}: {out.message}"
-                    + (f"; restarting from checkpoint {restore}" if ok else "; giving up")
+                    + (f"; restarting from {_from(choice)}" if ok else "; giving up")
                 )
                 if not ok:
                     error = out.error
@@ -333,7 +281,13 @@ class JaxTrainer:
         finally:
             if status:
                 status.stop()
+            if self._warm is not None:
+                self._warm.shutdown()
+            if self._ram is not None:
+                self._ram.close()
             discard_pending(self._root)
+        if self._elastic is not None:  # every resize is an event in the goodput too
+            tracker.resizes = list(self._elastic.resizes)
         goodput = tracker.finish()
         self._exporter.export(goodput.seconds, goodput.fraction)
         step = latest_complete_step(self._root)
@@ -350,6 +304,9 @@ class JaxTrainer:
             name=name,
             return_value=self._return_value if error is None else None,
             best_checkpoints=_scored_checkpoints(self._root),
+            resizes=list(self._elastic.resizes) if self._elastic is not None else [],
+            restores=list(self._restores),
+            ram_tier_bytes=self._ram.peak_bytes if self._ram is not None else 0,
         )
         if rc.progress:
             self.console.print(goodput.table())
@@ -374,7 +331,7 @@ class JaxTrainer:
             self._status(status, f"attempt {attempt}: reserving {sc.request}")
             with tracker.timed("reservation"):
                 spg = slice_placement_group(
-                    sc.request,
+                    self._elastic.request(sc.request, self._avoid) if self._elastic else sc.request,
                     timeout_s=sc.reservation_timeout_s,
                     name=f"{run.name}-{attempt}",
                     progress=False,
@@ -384,8 +341,15 @@ class JaxTrainer:
         options: dict[str, Any] = {"max_concurrency": 2}
         if rc.worker_runtime_env:
             options["runtime_env"] = dict(rc.worker_runtime_env)
+        if self._fc.warm_spares and self._warm is None:
+            self._warm = WarmPool(_WARM_IMPORTS, options)
         gang = SliceGang(
-            spg, init_timeout_s=sc.init_timeout_s, actor_options=options, name=run.name, artifacts_dir=run.path
+            spg,
+            init_timeout_s=sc.init_timeout_s,
+            actor_options=options,
+            name=run.name,
+            artifacts_dir=run.path,
+            warm=self._warm,
         )
         last_report: float | None = None  # set once the loop runs: start-up time is "startup", not "lost"
         keys = [heartbeat_key(run.run_id, attempt, rank) for rank in range(spg.num_hosts)]
@@ -397,7 +361,10 @@ class JaxTrainer:
             )
             with tracker.timed("startup"):
                 gang.start()
-            splits = {k: ds.split(spg.num_hosts, equal=True) for k, ds in datasets.items()}
+            ram_info = self._begin_restore(attempt, gang, tracker, status)
+            restore_step = self._restores[-1].step if self._restores else None
+            el = self._elastic and self._elastic.begin(restore_step, spg, datasets, self._root)
+            splits = el.shards if el else {k: ds.split(spg.num_hosts, equal=True) for k, ds in datasets.items()}
             cc = self._cc
             info: dict[str, Any] = {
                 "checkpoint_dir": self._root,
@@ -405,7 +372,10 @@ class JaxTrainer:
                 "async_save": cc.async_save,
                 "score_attribute": cc.checkpoint_score_attribute,
                 "score_order": cc.checkpoint_score_order,
-                "restore_step": latest_complete_step(self._root),
+                "restore_step": restore_step,
+                "restore": self._restore_info(),
+                "ram_every_steps": cc.ram_every_steps,
+                "storage_every_steps": cc.storage_every_steps,
                 "compilation_cache": rc.compilation_cache_dir(run.path),
             }
             fc = self._fc
@@ -426,9 +396,11 @@ class JaxTrainer:
                     run_path=run.path,
                     attempt=attempt,
                     run_id=run.run_id,
+                    **(el.context if el else {}),
                 )
                 shards = {k: v[rank] for k, v in splits.items()}
                 host_info = {**info, "heartbeat": {"key": keys[rank], "period_s": period}}
+                host_info["ram"] = ram_info[rank] if ram_info else None
                 refs.append(actor.call.remote(run_worker, (self.train_fn, self.config, ctx, host_info, shards), {}))
             last_report = time.monotonic()
             monitor = HeartbeatMonitor(
@@ -462,7 +434,9 @@ class JaxTrainer:
         import ray
 
         pending = dict(enumerate(refs))
+        el = self._elastic
         last = time.monotonic()
+        warm_next = last
         world = len(gang.actors)
         fc = self._fc
         # Reports per step from every rank, until every rank has reported the step.
@@ -521,9 +495,15 @@ class JaxTrainer:
             for rank, reports in got.items():
                 for r in reports:
                     steps.setdefault(r["step"], {})[rank] = r
+                    if self._ram is not None:
+                        self._ram.observe(attempt, rank, r)
+                    if rank == 0 and r.get("restore_s"):
+                        self._restore_seconds(attempt, r["restore_s"])
             rank0 = got.get(0)
             if rank0:
                 last = time.monotonic()
+                if self._elastic is not None:
+                    self._elastic.on_step()
                 tracker.on_reports(rank0)
                 history.extend(rank0)
                 snap = tracker.snapshot()
@@ -533,7 +513,8 @@ class JaxTrainer:
                     f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
                     for k, v in list(latest["metrics"].items())[:4]
                 )
-                self._status(status, f"step {latest['step']} | {shown} | attempt {attempt}, restarts {restarts}")
+                size = f"{world // gang.contexts[0].hosts_per_slice}/{self.scaling.num_slices} slices, " if el else ""
+                self._status(status, f"step {latest['step']} | {shown} | {size}attempt {attempt}, restarts {restarts}")
             for step in sorted(s for s in steps if len(steps[s]) == world):
                 complete(step, steps.pop(step))
             if error is not None:
@@ -579,7 +560,9 @@ class JaxTrainer:
                             out.error.__cause__ = e
                         return out
                     time.sleep(period_for(timeout))
-                if gang.lost_hosts(timeout_s=1.0):
+                lost_ranks = gang.lost_hosts(timeout_s=1.0)
+                self._lost_nodes.update(gang.contexts[r].node_id for r in lost_ranks)
+                if lost_ranks:
                     outcome = Outcome.PREEMPTED
             salvage(frozenset())
             return RunOutcome(
@@ -595,6 +578,7 @@ class JaxTrainer:
             if verdict.kind == "lost":
                 outcome = Outcome.PREEMPTED
                 self._detection_s = verdict.silent_s
+                self._lost_nodes.update(gang.contexts[r].node_id for r in verdict.ranks)  # their RAM stores too
                 # Ray may list the node as alive for a while yet: reserve elsewhere if possible.
                 self._avoid = {gang.contexts[r].slice_name for r in verdict.ranks}
             else:
@@ -644,6 +628,24 @@ class JaxTrainer:
             verdict = monitor.check()
             if verdict is not None:
                 return detected(verdict)
+            if time.monotonic() >= warm_next and history and history[-1].get("attempt") == attempt:
+                # Once this attempt has compiled (its first report), so that imports on the spare hosts do not
+                # compete with it; again every few seconds: spare slices come and go (a node pool replaces one).
+                warm_next = time.monotonic() + _WARM_REFRESH_S
+                self._warm_spares(gang.spg)
+            if el is not None and (target := el.grow_target()) is not None:  # free slices: stop at a save, grow
+                el.grow_asked = True
+                try:
+                    asked = ray.get(gang.actors[0].call.remote(request_grow, (target,), {}), timeout=10)
+                except Exception:  # rank 0 is gone: the loss is found by the usual path
+                    asked = True
+                el.grow_off = not asked
+                self._say(
+                    f"elastic: slices free for {target}: saving at the next step to grow"
+                    if asked
+                    else "elastic: slices are free, but notices are off (FailureConfig.preemption_notices): "
+                    "the run grows at its next restart"
+                )
 
     def _stopped_on_notice(
         self, noticed: dict[int, dict[str, Any]], gang: SliceGang, tracker: GoodputTracker, t0: float
@@ -658,7 +660,8 @@ class JaxTrainer:
         rank = first.get("rank")
         rank = rank if isinstance(rank, int) and 0 <= rank < len(gang.contexts) else min(noticed)
         hc = gang.contexts[rank]
-        self._avoid = {hc.slice_name}  # the noticed host is about to go: reserve elsewhere if possible
+        if first.get("reason") != GROW_REASON:
+            self._avoid = {hc.slice_name}  # the noticed host is about to go: reserve elsewhere if possible
         error = GangError(
             f"preemption notice ({first.get('reason')}) on host rank {rank} ({hc.slice_name} worker "
             f"{hc.worker_id}): every host saved step {step} ({save_s:.2f} s) and stopped",
@@ -666,6 +669,61 @@ class JaxTrainer:
             rank=rank,
         )
         return RunOutcome(Outcome.PREEMPTED, error, time.monotonic() - t0, 0.0, rank)
+
+    # -- where an attempt resumes from ----------------------------------------
+    def _choose_restore(self, attempt: int, world: int | None = None) -> RestoreChoice:
+        """The RAM step if every shard is reachable and it is not older than storage, else storage."""
+        storage = latest_complete_step(self._root)
+        if self._ram is None:
+            tier, reason = ("storage", f"storage step {storage}") if storage is not None else ("none", "fresh start")
+            return RestoreChoice(attempt, tier, storage, reason)
+        size = world if world is not None else cast(int, self.scaling.num_workers)
+        return dataclasses.replace(self._ram.choose(size, storage, self._lost_nodes), attempt=attempt)
+
+    def _begin_restore(
+        self, attempt: int, gang: SliceGang, tracker: GoodputTracker, status: Any
+    ) -> list[dict[str, Any]] | None:
+        """Fixes the attempt's restore choice (its world is known now); starts its RAM stores."""
+        choice = self._next_restore or self._choose_restore(attempt)
+        self._next_restore = None
+        if choice.tier == "ram" and len(choice.sources) != len(gang.actors):  # another size (an elastic resize)
+            choice = self._choose_restore(attempt, world=len(gang.actors))
+        choice = dataclasses.replace(choice, attempt=attempt)
+        if attempt > 1 or choice.tier != "none":
+            self._restores.append(choice)
+        tracker.note_restore(choice.tier)
+        if choice.tier != "none":
+            self._status(status, f"attempt {attempt}: restoring from {_from(choice)}")
+        if self._ram is None:
+            return None
+        with tracker.timed("startup"):
+            return self._ram.start_attempt(attempt, gang.contexts)
+
+    def _restore_info(self) -> dict[str, Any] | None:
+        """What the workers need to restore from the RAM tier (None: storage or nothing)."""
+        choice = self._restores[-1] if self._restores else None
+        if choice is None or choice.tier != "ram":
+            return None
+        return {
+            "tier": "ram",
+            "step": choice.step,
+            "attempt": choice.from_attempt,
+            "sources": {r: list(s) for r, s in choice.sources.items()},
+        }
+
+    def _restore_seconds(self, attempt: int, seconds: float) -> None:
+        for i, c in enumerate(self._restores):
+            if c.attempt == attempt:
+                self._restores[i] = dataclasses.replace(c, seconds=(c.seconds or 0.0) + float(seconds))
+
+    def _warm_spares(self, spg: SlicePlacementGroup) -> None:
+        """Pre-starts gang processes on the hosts the next attempt would get (free slices of the shape)."""
+        if self._warm is None or self.tpu_slice is not None:
+            return
+        try:
+            self._warm.warm(spare_hosts(self.scaling.request, exclude=[s.name for s in spg.slices]))
+        except Exception as e:  # an optimisation only: never fails the attempt
+            logger.debug("could not pre-start spare gang processes: %s", e)
 
     def _after_exception(self, out: RunOutcome) -> None:
         for cb in self._callbacks:
@@ -686,6 +744,10 @@ class JaxTrainer:
             self.console.print(text)
         else:
             logger.warning(text)
+
+
+def _from(choice: RestoreChoice) -> str:
+    return "the beginning (no checkpoint)" if choice.tier == "none" else choice.reason
 
 
 def _scored_checkpoints(root: str) -> list[tuple[Checkpoint, dict[str, Any]]]:

@@ -31,7 +31,14 @@ from typing import Any
 
 from rayslice._validate import fail
 from rayslice.train import context as _context
-from rayslice.train.checkpoint import Checkpoint, CheckpointWriter, split_data_iterators, step_dir, write_pending
+from rayslice.train.checkpoint import (
+    Checkpoint,
+    CheckpointWriter,
+    split_data_iterators,
+    step_dir,
+    take_restore_seconds,
+    write_pending,
+)
 from rayslice.train.context import TrainContext
 from rayslice.train.heartbeat import HeartbeatPublisher
 
@@ -64,12 +71,34 @@ class _Session:
         # The driver chose the step for every host: listings can lag on shared
         # storage, and hosts restoring different steps would silently diverge.
         step = info["restore_step"]
-        self.checkpoint = None if step is None else Checkpoint(step_dir(self.checkpoint_dir, step), step)
+        restore = info.get("restore") or {}
+        self.checkpoint: Checkpoint | None = None
+        if restore.get("tier") == "ram":  # the RAM tier: every shard was reachable when the driver chose
+            from rayslice.train.ramtier import ram_checkpoint
+
+            self.checkpoint = ram_checkpoint(ctx.run_id, restore)
+        elif step is not None:
+            self.checkpoint = Checkpoint(step_dir(self.checkpoint_dir, step), step)
         self.step: int = 0 if step is None else step
+        self.ram_every: int | None = info.get("ram_every_steps")
+        self.storage_every: int | None = info.get("storage_every_steps")
+        self.ram: Any = None  # a rayslice.train.ramtier.RamWriter when the RAM tier is on
+        ram = info.get("ram")
+        if ram and self.ram_every:
+            from rayslice.train.ramtier import RamWriter
+
+            self.ram = RamWriter(ctx.world_rank, ctx.attempt, ctx.world_size, ram["primary"], ram.get("replica"))
+        take_restore_seconds()  # restores of an earlier attempt in this process are not this one's
+        # JAX's compile timings: each report sends what changed since the previous one (this attempt's only).
+        self.compile_clock = compile_clock()
+        self.compile_seen = self.compile_clock.totals
         self._writer: CheckpointWriter | None = None  # made on the first array checkpoint (same step on every host)
         self.lock = threading.Lock()
         self.last_gather: str | None = None
         self.reports: list[dict[str, Any]] = []
+        # Metrics of the steps not yet computed when reported, oldest first (at most a few):
+        # report() checks these, never every report since the last drain.
+        self.in_flight: list[dict[str, Any]] = []
         self.started = time.perf_counter()
         self.last = self.started
         self.first = True
@@ -246,20 +275,35 @@ def _save_decision(s: _Session, step: int) -> bool:
     return s.decided[step]
 
 
+def _ram_step(s: _Session, step: int) -> bool:
+    return s.ram is not None and s.ram_every is not None and step % s.ram_every == 0
+
+
+def _storage_step(s: _Session, step: int) -> bool:
+    return s.storage_every is None or step % s.storage_every == 0
+
+
 def save_requested() -> bool:
-    """True when the step about to be reported must carry a checkpoint: a preemption notice was agreed for it.
+    """True when the step about to be reported needs a checkpoint, for any reason.
 
-    Every host gets the same answer for the same step. A loop that checkpoints
-    only every few steps calls it to make the emergency save::
+    The reasons: a preemption notice was agreed for this step (the emergency
+    save), a RAM-tier step (``CheckpointConfig.ram_every_steps``), or a
+    storage step when ``CheckpointConfig.storage_every_steps`` is set. Every
+    host gets the same answer for the same step. A loop that checkpoints
+    only now and then calls it::
 
-        report(metrics, checkpoint=state if step % 100 == 0 or save_requested() else None)
+        report(metrics, checkpoint=state if save_requested() else None)
 
-    ``report()`` of that step saves, waits until the save is complete, and
-    ends the training function (:class:`PreemptionStop`); the next attempt
-    resumes from it. A loop that passes a checkpoint at every step needs no call.
+    ``report()`` of an emergency step saves, waits until the save is
+    complete, and ends the training function (:class:`PreemptionStop`); the
+    next attempt resumes from it. A loop that passes a checkpoint at every
+    step needs no call (the config picks the steps it keeps).
     """
     s = _session()
-    return _save_decision(s, s.step + 1)
+    step = s.step + 1
+    if _save_decision(s, step) or _ram_step(s, step):
+        return True
+    return s.storage_every is not None and _storage_step(s, step)
 
 
 def report(metrics: Mapping[str, Any], checkpoint: Any = None) -> None:
@@ -291,9 +335,16 @@ def report(metrics: Mapping[str, Any], checkpoint: Any = None) -> None:
     # Computed values become plain Python now (cheap, and no device buffer is
     # kept alive); values still being computed stay as they are, since reading
     # them would wait for the step: the driver's drain converts them later.
-    clean = {k: (_plain(v) if _is_ready(v) else v) for k, v in metrics.items()}
+    clean: dict[str, Any] = {}
+    computing = False
+    for k, v in metrics.items():
+        if _is_ready(v):
+            clean[k] = _plain(v)
+        else:
+            clean[k], computing = v, True
     stall = 0.0
     kind = None
+    ram_saved: int | None = None
     emergency = _save_decision(s, step)
     if emergency and checkpoint is None and not s.warned_no_tree:
         s.warned_no_tree = True
@@ -322,16 +373,25 @@ def report(metrics: Mapping[str, Any], checkpoint: Any = None) -> None:
                 ) from None
             kind = "directory"
         else:
-            arrays, states = split_data_iterators(checkpoint)
-            arrays = _checkpointable(arrays)
-            meta = {
-                "step": step,
-                "metrics": _json_safe(clean),
-                "data_states": _gather_states(s, step, states),
-                "world_size": s.ctx.world_size,
-            }
-            stall = s.writer.save(step, arrays, meta)
-            kind = "arrays"
+            # The same decision on every host (the step, the config, the agreed notice): the
+            # state gather and Orbax's save are collectives.
+            to_ram = _ram_step(s, step)
+            to_storage = emergency or _storage_step(s, step)
+            if to_ram or to_storage:
+                arrays, states = split_data_iterators(checkpoint)
+                arrays = _checkpointable(arrays)
+                meta = {
+                    "step": step,
+                    "metrics": _json_safe(clean),
+                    "data_states": _gather_states(s, step, states),
+                    "world_size": s.ctx.world_size,
+                }
+                if to_ram:
+                    stall += s.ram.save(step, arrays, meta)
+                    ram_saved = step
+                if to_storage:
+                    stall += s.writer.save(step, arrays, meta)
+                    kind = "arrays"
     end = time.perf_counter()
     s.sampler.record_step(max(0.0, now - s.last))
     # step_s covers the whole interval (the save included), so work = step_s - stall_s.
@@ -344,7 +404,16 @@ def report(metrics: Mapping[str, Any], checkpoint: Any = None) -> None:
         "checkpoint": kind,
         "attempt": s.ctx.attempt,
         "rank": s.ctx.world_rank,
+        "restore_s": take_restore_seconds(),
     }
+    compiled = s.compile_clock.totals
+    if compiled is not s.compile_seen:  # compiled during this step: (xla_s, trace_lower_s, cache hits, misses)
+        seen, s.compile_seen = s.compile_seen, compiled
+        record["compile"] = tuple(now_ - then for now_, then in zip(compiled, seen, strict=True))
+    elif s.first:
+        record["compile"] = (0.0, 0.0, 0, 0)
+    if s.ram is not None:  # the RAM tier: this step's save, and the newest one both stores hold
+        record.update(ram=ram_saved, ram_acked=s.ram.acked, ram_bytes=s.ram.bytes_held)
     if emergency and kind is not None:
         s.stopped = {
             **(s.agreement.notice or {}),
@@ -357,13 +426,19 @@ def report(metrics: Mapping[str, Any], checkpoint: Any = None) -> None:
     s.last = end
     with s.lock:
         s.reports.append(record)
-        in_flight = [r["metrics"] for r in s.reports if not _is_ready(r["metrics"])]
+    in_flight = s.in_flight
+    if computing and checkpoint is None:  # (a checkpoint's metrics were made plain: computed)
+        in_flight.append(clean)
+    while in_flight and _is_ready(in_flight[0]):
+        in_flight.pop(0)
     if len(in_flight) > _MAX_STEPS_IN_FLIGHT:
         # Bound how far the host runs ahead of its device: a loop that never
         # reads a value would otherwise queue steps without limit, and on CPU
         # every queued step with a cross-host collective holds a runtime thread
         # until its peers arrive (enough of them deadlock the process).
-        _wait_until_ready(in_flight[0])
+        in_flight[:] = [m for m in in_flight if not _is_ready(m)]
+        if len(in_flight) > _MAX_STEPS_IN_FLIGHT:
+            _wait_until_ready(in_flight[0])
     if s.stopped is not None:
         raise PreemptionStop(f"preemption notice ({s.stopped.get('reason')}): saved step {step}")
 
@@ -392,6 +467,76 @@ def wait_for_checkpoints() -> float:
     """Blocks until this host's asynchronous array saves are complete; returns the seconds waited."""
     s = _session()
     return 0.0 if s._writer is None else s._writer.wait()
+
+
+class CompileClock:
+    """JAX's own compile timings in this process, from ``jax.monitoring`` (see :func:`compile_clock`).
+
+    ``totals`` is ``(xla_s, trace_lower_s, cache_hits, cache_misses)`` since
+    the process started: XLA compile or persistent-cache load
+    (``/jax/core/compile/backend_compile_duration``), Python tracing plus
+    lowering to MLIR (``jaxpr_trace_duration`` + ``jaxpr_to_mlir_module_duration``),
+    and the persistent cache's hits and misses. Spans of one event nested in
+    another of the same event on the same thread count once. ``totals`` is
+    replaced whole, so a reader (``report()``) needs no lock.
+
+    Example:
+        >>> c = CompileClock()
+        >>> c.on_span("/jax/core/compile/jaxpr_trace_duration", 10.0, 10.5)
+        >>> c.on_span("/jax/core/compile/jaxpr_trace_duration", 9.75, 11.0)  # encloses the first: counted once
+        >>> c.on_span("/jax/core/compile/backend_compile_duration", 11.0, 13.0)
+        >>> c.on_event("/jax/compilation_cache/cache_hits")
+        >>> c.totals
+        (2.0, 1.25, 1, 0)
+    """
+
+    XLA = "/jax/core/compile/backend_compile_duration"
+    TRACE_LOWER = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration")
+    HITS, MISSES = "/jax/compilation_cache/cache_hits", "/jax/compilation_cache/cache_misses"
+
+    def __init__(self) -> None:
+        self.totals: tuple[float, float, int, int] = (0.0, 0.0, 0, 0)
+        self._lock = threading.Lock()
+        self._spans = threading.local()  # per event: recent spans not yet inside a longer one
+
+    def on_span(self, event: str, start_time: float, end_time: float, **_: str | int) -> None:
+        if event != self.XLA and event not in self.TRACE_LOWER:
+            return
+        spans: dict[str, list[tuple[float, float]]] = self._spans.__dict__.setdefault("by_event", {})
+        recent = spans.setdefault(event, [])
+        inner = [sp for sp in recent if sp[0] >= start_time and sp[1] <= end_time]  # already counted
+        seconds = max(0.0, (end_time - start_time) - sum(e - s for s, e in inner))
+        recent[:] = [sp for sp in recent if sp not in inner][-31:] + [(start_time, end_time)]
+        with self._lock:
+            xla, tl, hits, misses = self.totals
+            if event == self.XLA:
+                xla += seconds
+            else:
+                tl += seconds
+            self.totals = (xla, tl, hits, misses)
+
+    def on_event(self, event: str, **_: str | int) -> None:
+        if event not in (self.HITS, self.MISSES):
+            return
+        with self._lock:
+            xla, tl, hits, misses = self.totals
+            self.totals = (xla, tl, hits + (event == self.HITS), misses + (event == self.MISSES))
+
+
+_COMPILE_CLOCK: CompileClock | None = None
+
+
+def compile_clock() -> CompileClock:
+    """This process's :class:`CompileClock`, its ``jax.monitoring`` listeners registered on the first call."""
+    global _COMPILE_CLOCK
+    if _COMPILE_CLOCK is None:
+        import jax.monitoring
+
+        clock = CompileClock()
+        jax.monitoring.register_event_time_span_listener(clock.on_span)
+        jax.monitoring.register_event_listener(clock.on_event)
+        _COMPILE_CLOCK = clock
+    return _COMPILE_CLOCK
 
 
 def enable_compilation_cache(directory: str) -> bool:
