@@ -30,6 +30,18 @@ def _met(ok: bool) -> str:
     return "[green]yes[/green]" if ok else "[red]NO[/red]"
 
 
+def _own_process(console: Console, label: str, script: str, *args: str) -> dict | None:
+    """Runs ``benchmarks/<script> <args>`` in its own process; its last stdout line as JSON (None on failure)."""
+    with console.status(label):
+        out = subprocess.run(
+            [sys.executable, os.path.join(HERE, script), *args], capture_output=True, text=True, timeout=1800
+        )
+    if out.returncode:
+        console.print(out.stderr[-3000:])
+        return None
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--rounds", type=int, default=15, help="reservation cycles per peer")
@@ -68,39 +80,24 @@ def main() -> int:
             notice_row = bench_train.notice_row(bench_train.notice(sim))  # on slices of its own
     finally:
         sim.shutdown()
-    with console.status(f"data feeding, {args.rows:,} rows (own process)"):
-        out = subprocess.run(
-            [sys.executable, os.path.join(HERE, "bench_data.py"), f"rows={args.rows}"],
-            capture_output=True,
-            text=True,
-            timeout=1800,
-        )
-        if out.returncode:
-            console.print(out.stderr[-3000:])
-            return 1
-        data = json.loads(out.stdout.strip().splitlines()[-1])
-    with console.status("recovery with Ray's production health checks, compile cache, chaos goodput (own cluster)"):
-        out = subprocess.run(
-            [sys.executable, os.path.join(HERE, "bench_train.py"), "production", f"rounds={args.recovery_rounds}"],
-            capture_output=True,
-            text=True,
-            timeout=1800,
-        )
-        if out.returncode:
-            console.print(out.stderr[-3000:])
-            return 1
-        prod = json.loads(out.stdout.strip().splitlines()[-1])
-    with console.status("elastic training: shrink onto survivors, accumulation, goodput (own cluster)"):
-        out = subprocess.run(
-            [sys.executable, os.path.join(HERE, "bench_elastic.py"), f"rounds={args.elastic_rounds}"],
-            capture_output=True,
-            text=True,
-            timeout=1800,
-        )
-        if out.returncode:
-            console.print(out.stderr[-3000:])
-            return 1
-        elastic = json.loads(out.stdout.strip().splitlines()[-1])
+    data = _own_process(
+        console, f"data feeding, {args.rows:,} rows (own process)", "bench_data.py", f"rows={args.rows}"
+    )
+    prod = _own_process(
+        console,
+        "recovery with Ray's production health checks, compile cache, chaos goodput (own cluster)",
+        "bench_train.py",
+        "production",
+        f"rounds={args.recovery_rounds}",
+    )
+    elastic = _own_process(
+        console,
+        "elastic training: shrink onto survivors, accumulation, goodput (own cluster)",
+        "bench_elastic.py",
+        f"rounds={args.elastic_rounds}",
+    )
+    if data is None or prod is None or elastic is None:
+        return 1
 
     t.add_row(
         f"reserve->ready->release, v4 2x2x2 (median of {cycle['rounds']})",
