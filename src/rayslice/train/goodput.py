@@ -346,20 +346,10 @@ class GoodputTracker:
         )
 
     def finish(self) -> Goodput:
-        wall = self._clock() - self._start
-        known = sum(v for k, v in self.seconds.items() if k != "other")
-        self.seconds["other"] = max(0.0, wall - known)
-        return Goodput(
-            wall_s=wall,
-            seconds=dict(self.seconds),
-            steps=self.steps,
-            lost_steps=self.lost_steps,
-            attempts=tuple(dict(a) for a in self.attempts),
-            endings=tuple(self.endings),
-            restore_tiers=tuple(self.restore_tiers),
-            resizes=tuple(self.resizes),
-            compiles=tuple(dict(c) for c in self.compiles),
-        )
+        """The final components: :meth:`snapshot`, with "other" kept in the tracker too."""
+        done = self.snapshot()
+        self.seconds["other"] = done.seconds["other"]
+        return done
 
 
 class _Timer:
