@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rayslice.errors import InvalidArgument
-from rayslice.train import ScalingConfig, TrainContext
+from rayslice.train import CheckpointConfig, ScalingConfig, TrainContext
 from rayslice.train.elastic import (
     ElasticEpoch,
     ResizeEvent,
@@ -228,6 +228,7 @@ def elastic_loop(config: dict) -> None:
     import jax
     import jax.numpy as jnp
     import numpy as np
+    from jax.experimental import multihost_utils
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
@@ -238,9 +239,12 @@ def elastic_loop(config: dict) -> None:
     mesh = jax.make_mesh(tuple(ctx.mesh_shape.values()), tuple(ctx.mesh_shape))
     sharding = NamedSharding(mesh, P("data"))
     total = jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(mesh, P()))
+    # Sharded over "data": 8 or 4 ways by size, so a restore onto another size reshards it.
+    vec = jax.device_put(jnp.arange(8, dtype=jnp.float32), sharding)
     ckpt, data_state, step = get_checkpoint(), None, 0
     if ckpt is not None:
-        total = ckpt.restore({"total": total})["total"]
+        back = ckpt.restore({"total": total, "vec": vec})
+        total, vec = back["total"], back["vec"]
         data_state, step = ckpt.data_state("train"), ckpt.step
     it = iter_jax_batches(
         get_dataset_shard("train"),
@@ -252,6 +256,7 @@ def elastic_loop(config: dict) -> None:
         sharding=sharding,
     )
     add = jax.jit(lambda t, ids: t + jnp.sum(jnp.where(ids >= 0, ids, 0)), out_shardings=NamedSharding(mesh, P()))
+    bump = jax.jit(lambda v: v + 1, out_shardings=sharding)
     done = False
     while not done:
         mine: list[int] = []
@@ -269,6 +274,7 @@ def elastic_loop(config: dict) -> None:
         if not micro:
             break
         step += 1
+        vec = bump(vec)
         with open(f"{config['ids_dir']}/{step}-{ctx.attempt}-{ctx.world_rank}.json", "w") as f:
             json.dump(sorted(set(mine)), f)  # what this host read in this step (the driver may never hear of it)
         time.sleep(config["sleep_s"])
@@ -280,9 +286,10 @@ def elastic_loop(config: dict) -> None:
             "epoch": ctx.elastic_epoch,
             "megascale": os.environ.get("MEGASCALE_NUM_SLICES", ""),
             "total": total,
+            "vec": multihost_utils.process_allgather(vec, tiled=True).tolist(),  # every host's part
             "mesh": dict(ctx.mesh_shape),
         }
-        report(metrics, checkpoint={"total": total, "train": it})
+        report(metrics, checkpoint={"total": total, "vec": vec, "train": it})
 
 
 @pytest.mark.ray
@@ -331,10 +338,16 @@ def test_a_run_shrinks_onto_the_survivors_then_grows_back_reading_every_row_once
                 progress=False,
                 callbacks=[Chaos()],
                 failure_config=FailureConfig(max_preemptions=2),
+                # The RAM tier every step (storage only for the grow's save): the shrink restores from RAM onto
+                # the smaller world, slice b's rank from its replica on slice a.
+                checkpoint_config=CheckpointConfig(ram_every_steps=1, storage_every_steps=1000),
             ),
         ).fit()
         assert result.error is None, result.error
         assert [(e.slices_before, e.slices_after, e.reason) for e in result.resizes] == [(2, 1, "lost"), (1, 2, "grow")]
+        shrink = result.restores[0]
+        assert shrink.tier == "ram" and "saved by 2 hosts, restored onto 1" in shrink.reason, shrink
+        assert result.metrics["vec"] == [float(i + result.metrics["step"]) for i in range(8)]  # resharded, bitwise
         assert all(e.lost_s is not None and e.lost_s >= 0 for e in result.resizes)
         assert result.preemptions == 1 and result.attempts == 3
         # What every host read, step by step, in the attempt whose step counts (the last one that ran it).

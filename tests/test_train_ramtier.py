@@ -115,7 +115,9 @@ def test_the_reason_names_a_replica_used_and_a_replica_lost_with_its_owner():
         placement=PLACE,
         labels=LABELS,
     )
-    assert other_world.tier == "none" and "saved by 2 hosts, this run has 4" in other_world.reason
+    # Another world size (an elastic resize): the saved world's ranks are the sources; the new hosts assemble.
+    assert (other_world.tier, other_world.step, sorted(other_world.sources)) == ("ram", 40, [0, 1])
+    assert "saved by 2 hosts, restored onto 4" in other_world.reason
 
 
 def test_one_step_is_never_mixed_from_two_attempts():
@@ -138,6 +140,42 @@ def test_a_store_keeps_at_most_two_steps_per_owner_and_never_drops_the_pinned_on
         assert all(a >= pin[0] and s >= pin[1] for a, s in kept)
     if entries and pin is None:
         assert max(entries, key=lambda e: (e[1], e[0])) in kept
+
+
+@given(
+    entries=st.sets(st.tuples(st.just(1), st.integers(1, 20)), min_size=1, max_size=8),
+    floor=st.tuples(st.just(1), st.integers(1, 20)),
+)
+def test_a_late_buddy_keeps_the_owners_steps_from_its_own_on_but_never_more_than_four(entries, floor):
+    from rayslice.train.ramtier.choice import MAX_KEPT
+
+    kept = retained(entries, None, floor=floor)
+    assert len(kept) <= MAX_KEPT and kept <= set(entries)
+    assert retained(entries, None) <= kept  # the floor only ever keeps more
+    wanted = sorted((e for e in entries if e[1] >= floor[1]), key=lambda e: e[1])
+    if len(wanted) <= MAX_KEPT:
+        assert set(wanted) <= kept
+
+
+def test_a_store_keeps_the_step_every_rank_completed_while_the_pin_lags():
+    # Host 0's store: rank 0's own steps and rank 1's replicas. Rank 1's replica of step 8 is stuck and the
+    # driver has not pinned step 6 yet: rank 0 saves 8 and 10, and step 6 must stay (it is the complete one).
+    store = RamStore()
+    for step in (2, 4, 6):
+        store.put(1, 1, step, {"world_size": 2, "nbytes": 8, "leaves": {}})
+    for step in (2, 4, 6, 8, 10):
+        store.put(0, 1, step, {"world_size": 2, "nbytes": 8, "leaves": {}})
+    held = {(o, s) for o, _, s, _ in store.inventory()["entries"]}
+    assert {(0, 6), (1, 6)} <= held and (0, 2) not in held
+    c = choose_restore(
+        world_size=2,
+        holdings={"a0": store.inventory()["entries"]},
+        unreachable={"a1": "its host was lost"},
+        storage_step=None,
+        placement=PLACE,
+        labels=LABELS,
+    )
+    assert (c.tier, c.step) == ("ram", 6), c
 
 
 def test_store_copies_prunes_and_reports_bytes():
@@ -222,6 +260,48 @@ def test_goodput_books_restore_apart_from_compile_and_shows_the_recovery():
     assert abs(sum(out.seconds.values()) - out.wall_s) < 1e-9
     table = out.table()
     assert "re-reservation" in str(table.caption) and "(ram)" in str(table.caption)
+
+
+def test_a_ram_step_saved_by_another_world_restores_onto_any_sharding_bitwise():
+    """An elastic resize: shards saved by two "hosts" (4 devices each) rebuild a 3-way and a 2-way sharding."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from rayslice.train.ramtier.restore import assemble
+
+    table = np.arange(24 * 5, dtype=np.float32).reshape(24, 5) / 7
+    # What two saving hosts held: rows 0-11 and 12-23, each in 4 pieces of 3 rows (a 4-device host).
+    saved = {
+        rank: {
+            "leaves": {
+                "['t']": {
+                    "kind": "array",
+                    "shape": (24, 5),
+                    "dtype": "float32",
+                    "shards": {((r, r + 3), (0, 5)): table[r : r + 3] for r in range(12 * rank, 12 * rank + 12, 3)},
+                }
+            },
+            "meta": {"step": 6},
+        }
+        for rank in (0, 1)
+    }
+
+    class Fetch:
+        def payload(self, rank):
+            return saved[rank]
+
+    for n in (3, 2, 1):  # rows split 3, 2 and 1 ways: no box of the target was a saved box
+        mesh = jax.make_mesh((n,), ("data",), devices=jax.devices()[:n])
+        target = {"t": jax.device_put(jnp.zeros((24, 5), jnp.float32), NamedSharding(mesh, P("data")))}
+        ckpt = RamCheckpoint("ram://run/6", 6, sources={0: ("s0",), 1: ("s1",)}, from_attempt=1)
+        object.__setattr__(ckpt, "_fetcher", Fetch())
+        back = ckpt.restore(target)
+        assert back["t"].sharding == target["t"].sharding
+        assert np.asarray(back["t"]).tobytes() == table.tobytes()
+    assert assemble(((0, 24), (0, 5)), [(((0, 3), (0, 5)), table[:3])]) is None  # never half a leaf
 
 
 # -- on the simulator ----------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import time
 
@@ -142,8 +143,20 @@ def overhead_loop(config: dict) -> None:
     n = config.get("steps", 200)
 
     inside = []
+    gc_s = {False: 0.0, True: 0.0}  # the garbage collector's time in each kind of round
+    gc_t0 = [0.0]
+    phase = [False]
+
+    def on_gc(stage: str, info: dict) -> None:
+        if stage == "start":
+            gc_t0[0] = time.perf_counter()
+        else:
+            gc_s[phase[0]] += time.perf_counter() - gc_t0[0]
+
+    gc.callbacks.append(on_gc)
 
     def timed(with_report: bool) -> float:
+        phase[0] = with_report
         t0 = time.perf_counter()
         for i in range(n):
             v = f(x)
@@ -168,8 +181,11 @@ def overhead_loop(config: dict) -> None:
             "reported_s": sorted(reported)[len(reported) // 2],
             "overhead": ratios[len(ratios) // 2] - 1,
             "report_us": 1e6 * sorted(inside)[len(inside) // 2],
+            "gc_bare_s": gc_s[False],
+            "gc_reported_s": gc_s[True],
         }
     )
+    gc.callbacks.remove(on_gc)
 
 
 def busy_loop(config: dict) -> None:

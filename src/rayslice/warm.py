@@ -53,8 +53,8 @@ class WarmPool:
 
     Example:
         >>> pool = WarmPool(imports=("jax",), actor_options={"max_concurrency": 2})
-        >>> len(pool), pool.node_ids
-        (0, [])
+        >>> len(pool), pool.node_ids, pool.ready([])
+        (0, [], True)
         >>> pool.warm(["<node id of a spare host>"])  # doctest: +SKIP
         1
         >>> with SliceGang(spg, warm=pool) as gang:  # doctest: +SKIP
@@ -97,6 +97,19 @@ class WarmPool:
             self._procs[node_id] = (actor, actor.warm_up.remote(self.imports))
             started += 1
         return started
+
+    def ready(self, node_ids: Sequence[str]) -> bool:
+        """True when each of ``node_ids`` has a warm process that has finished its imports (or failed them)."""
+        import ray
+
+        want = set(node_ids)
+        if not want:
+            return True
+        if not want <= set(self._procs):
+            return False
+        refs = [self._procs[n][1] for n in want]
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        return len(done) == len(refs)
 
     def take(self, node_id: str) -> Any | None:
         """The warm process on ``node_id`` (now the caller's), or None when there is none or it died."""

@@ -29,8 +29,9 @@ from typing import Any, cast
 
 from rich.console import Console
 
+from rayslice._deadline import Deadline
 from rayslice._validate import check_callable, check_instance, fail
-from rayslice.errors import GangError, Outcome, ReservationError, RunOutcome, describe
+from rayslice.errors import GangError, Outcome, ReservationError, ReservationTimeout, RunOutcome, describe
 from rayslice.gang import SliceGang
 from rayslice.placement import SlicePlacementGroup, slice_placement_group
 from rayslice.train.checkpoint import (
@@ -65,6 +66,8 @@ _POLL_S = 0.2
 # What a warm spare process imports ahead of an attempt: JAX, Orbax (restores) and the worker side.
 _WARM_IMPORTS = ("jax", "orbax.checkpoint", "rayslice.train.worker")
 _WARM_REFRESH_S = 5.0  # how often a running attempt looks for new spare hosts to warm
+_ELASTIC_TRY_S = 10.0  # how long an elastic reservation waits for the size it counted before counting again
+_GROW_WARM_WAIT_S = 30.0  # the longest an elastic grow waits for warm processes on the new hosts
 
 
 class _CallbackFailed(Exception):
@@ -203,6 +206,7 @@ class JaxTrainer:
         self._return_value = None
         self._avoid: set[str] = set()  # slices with a host that just stopped answering
         self._warm: WarmPool | None = None  # pre-started processes on spare hosts (FailureConfig.warm_spares)
+        self._grow_wait_since: float | None = None  # an elastic grow waiting for warm processes, since
         self._detection_s = 0.0
         self._elastic = ElasticRun(self.scaling, path, self._say) if self.scaling.elastic else None
         # The RAM tier (CheckpointConfig.ram_every_steps): its stores live for the whole fit().
@@ -330,13 +334,7 @@ class JaxTrainer:
         else:
             self._status(status, f"attempt {attempt}: reserving {sc.request}")
             with tracker.timed("reservation"):
-                spg = slice_placement_group(
-                    self._elastic.request(sc.request, self._avoid) if self._elastic else sc.request,
-                    timeout_s=sc.reservation_timeout_s,
-                    name=f"{run.name}-{attempt}",
-                    progress=False,
-                    avoid_slices=sorted(self._avoid),
-                )
+                spg = self._reserve(f"{run.name}-{attempt}")
             self._avoid = set()
         options: dict[str, Any] = {"max_concurrency": 2}
         if rc.worker_runtime_env:
@@ -363,7 +361,8 @@ class JaxTrainer:
                 gang.start()
             ram_info = self._begin_restore(attempt, gang, tracker, status)
             restore_step = self._restores[-1].step if self._restores else None
-            el = self._elastic and self._elastic.begin(restore_step, spg, datasets, self._root)
+            ram_meta = self._ram.meta(self._restores[-1]) if self._ram is not None and self._restores else None
+            el = self._elastic and self._elastic.begin(restore_step, spg, datasets, self._root, ram_meta)
             splits = el.shards if el else {k: ds.split(spg.num_hosts, equal=True) for k, ds in datasets.items()}
             cc = self._cc
             info: dict[str, Any] = {
@@ -492,6 +491,9 @@ class JaxTrainer:
                         got[rank] = ray.get(ref)
                     except Exception as e:  # the host died (Ray noticed it): raised once the others are booked
                         error = error or e
+                        if isinstance(e, ray.exceptions.RayActorError):  # its process, and likely its node, gone
+                            self._avoid.add(gang.contexts[rank].slice_name)
+                            self._lost_nodes.add(gang.contexts[rank].node_id)
             for rank, reports in got.items():
                 for r in reports:
                     steps.setdefault(r["step"], {})[rank] = r
@@ -564,6 +566,13 @@ class JaxTrainer:
                 self._lost_nodes.update(gang.contexts[r].node_id for r in lost_ranks)
                 if lost_ranks:
                     outcome = Outcome.PREEMPTED
+                    # Ray may list the node as alive for a while yet: reserve elsewhere if possible.
+                    self._avoid |= {gang.contexts[r].slice_name for r in lost_ranks}
+            elif rank is not None and 0 <= rank < len(gang.contexts):  # Ray saw the process die with its host
+                self._avoid.add(gang.contexts[rank].slice_name)
+                # Its node's RAM store is taken for gone too (its shards have a replica elsewhere): asking it
+                # would only make the restore choice wait for an answer from a dead node.
+                self._lost_nodes.add(gang.contexts[rank].node_id)
             salvage(frozenset())
             return RunOutcome(
                 outcome,
@@ -633,8 +642,8 @@ class JaxTrainer:
                 # compete with it; again every few seconds: spare slices come and go (a node pool replaces one).
                 warm_next = time.monotonic() + _WARM_REFRESH_S
                 self._warm_spares(gang.spg)
-            if el is not None and (target := el.grow_target()) is not None:  # free slices: stop at a save, grow
-                el.grow_asked = True
+            if el is not None and (target := el.grow_target()) is not None and self._grow_ready(gang.spg, target):
+                el.grow_asked = True  # free slices, and processes warm on every host of the bigger size: grow
                 try:
                     asked = ray.get(gang.actors[0].call.remote(request_grow, (target,), {}), timeout=10)
                 except Exception:  # rank 0 is gone: the loss is found by the usual path
@@ -716,14 +725,79 @@ class JaxTrainer:
             if c.attempt == attempt:
                 self._restores[i] = dataclasses.replace(c, seconds=(c.seconds or 0.0) + float(seconds))
 
+    def _reserve(self, name: str) -> SlicePlacementGroup:
+        """The attempt's slices; an elastic run counts the free ones again when a bigger size does not come.
+
+        A slice counted free may never come (a host of it died and Ray does not list it dead yet): the elastic
+        size is tried for at most ``_ELASTIC_TRY_S`` at a time, then chosen again from a fresh count, until the
+        reservation timeout.
+        """
+        sc = self.scaling
+        if self._elastic is None:
+            return slice_placement_group(
+                sc.request,
+                timeout_s=sc.reservation_timeout_s,
+                name=name,
+                progress=False,
+                avoid_slices=sorted(self._avoid),
+            )
+        deadline = Deadline(sc.reservation_timeout_s)
+        while True:
+            request = self._elastic.request(sc.request, self._avoid)
+            bigger = request.num_slices > self._elastic.policy.min_slices
+            wait = min(deadline.remaining, _ELASTIC_TRY_S) if bigger else deadline.remaining
+            try:
+                return slice_placement_group(
+                    request, timeout_s=max(wait, 0.5), name=name, progress=False, avoid_slices=sorted(self._avoid)
+                )
+            except ReservationTimeout:
+                if not bigger or deadline.expired:
+                    raise
+                logger.debug("elastic: %d slices did not come within %.1f s; counting again", request.num_slices, wait)
+
     def _warm_spares(self, spg: SlicePlacementGroup) -> None:
-        """Pre-starts gang processes on the hosts the next attempt would get (free slices of the shape)."""
+        """Pre-starts gang processes on the hosts the next attempt would get (free slices of the shape).
+
+        An elastic run's next attempt may run on the survivors of this one (a shrink): their hosts get a warm
+        process too (no chips held: this attempt's processes keep theirs).
+        """
         if self._warm is None or self.tpu_slice is not None:
             return
         try:
-            self._warm.warm(spare_hosts(self.scaling.request, exclude=[s.name for s in spg.slices]))
+            hosts = spare_hosts(self.scaling.request, exclude=[s.name for s in spg.slices])
+            self._warm.warm(hosts + ([h.node_id for _, h in spg.hosts()] if self._elastic is not None else []))
+            if self._ram is not None:  # the RAM stores a restart there needs, up before it
+                self._ram.prestart(hosts)
         except Exception as e:  # an optimisation only: never fails the attempt
             logger.debug("could not pre-start spare gang processes: %s", e)
+
+    def _grow_ready(self, spg: SlicePlacementGroup, target: int) -> bool:
+        """Whether to stop now to grow to ``target`` slices: once every host of that size has a warm process.
+
+        Training goes on meanwhile (the imports of the new hosts cost no step); after ``_GROW_WARM_WAIT_S`` the
+        run grows anyway (cold processes where warm ones never came).
+        """
+        if self._warm is None or self.tpu_slice is not None:
+            return True
+        now = time.monotonic()
+        if self._grow_wait_since is None:
+            self._grow_wait_since = now
+        try:
+            new = spare_hosts(
+                self.scaling.request, exclude=[s.name for s in spg.slices], max_slices=target - spg.num_slices
+            )
+            hosts = new + [h.node_id for _, h in spg.hosts()]
+            self._warm.warm(hosts)
+            if self._ram is not None:
+                self._ram.prestart(new)
+            ready = self._warm.ready(hosts)
+        except Exception as e:  # an optimisation only
+            logger.debug("could not pre-start gang processes for a grow: %s", e)
+            ready = True
+        if ready or now - self._grow_wait_since >= _GROW_WARM_WAIT_S:
+            self._grow_wait_since = None
+            return True
+        return False
 
     def _after_exception(self, out: RunOutcome) -> None:
         for cb in self._callbacks:

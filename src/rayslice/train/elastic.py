@@ -548,8 +548,19 @@ class ElasticRun:
         return SliceRequest.parse(request, num_slices=k)
 
     # -- an attempt --------------------------------------------------------------
-    def begin(self, restore_step: int | None, spg: Any, datasets: Mapping[str, Any], root: str) -> AttemptPlan:
-        """The epoch, shards and context of an attempt on the reservation ``spg`` restoring ``restore_step``."""
+    def begin(
+        self,
+        restore_step: int | None,
+        spg: Any,
+        datasets: Mapping[str, Any],
+        root: str,
+        restored_meta: Mapping[str, Any] | None = None,
+    ) -> AttemptPlan:
+        """The epoch, shards and context of an attempt on the reservation ``spg`` restoring ``restore_step``.
+
+        ``restored_meta``: the metadata saved with the restored step when it is not on storage (a RAM tier
+        step): its data states say where each host's rows stood.
+        """
         slices, world = int(spg.num_slices), int(spg.num_hosts)
         if not self.epochs:
             self.epochs = self._load(datasets)
@@ -557,7 +568,7 @@ class ElasticRun:
             layouts = {k: initial_layout(int(ds.count()), world) for k, ds in datasets.items()}
             self.epochs = [ElasticEpoch(0, 0, slices, world, layouts)]
             self._save()
-        positions = lambda n, e: self._positions(root, restore_step, n, e)
+        positions = lambda n, e: self._positions(root, restore_step, n, e, restored_meta)
         epoch = next_epoch(self.epochs, restore_step, slices, world, positions)
         before = self.slices if self.slices is not None else self.epochs[-1].slices
         if epoch is not self.epochs[-1]:
@@ -604,15 +615,20 @@ class ElasticRun:
         )
 
     # -- storage -----------------------------------------------------------------
-    def _positions(self, root: str, step: int | None, name: str, epoch: ElasticEpoch) -> list[int] | None:
+    def _positions(
+        self, root: str, step: int | None, name: str, epoch: ElasticEpoch, meta: Mapping[str, Any] | None = None
+    ) -> list[int] | None:
         from rayslice.train.checkpoint import Checkpoint, step_dir
 
         if step is None:
             return None
-        try:
-            states = Checkpoint(step_dir(root, step), step).metadata().get("data_states", {})
-        except (FileNotFoundError, ValueError):
-            states = {}
+        if meta is not None and int(meta.get("step", -1)) == step:
+            states = dict(meta.get("data_states") or {})
+        else:
+            try:
+                states = Checkpoint(step_dir(root, step), step).metadata().get("data_states", {})
+            except (FileNotFoundError, ValueError):
+                states = {}
         per_rank = states.get(name)
         if per_rank is None and len(states) == 1 and len(epoch.layouts) == 1:
             per_rank = next(iter(states.values()))

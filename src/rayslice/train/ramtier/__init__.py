@@ -15,9 +15,12 @@ store (``ray.put`` once, two actor calls); the copy to the stores runs in a
 background thread and the host says in its step records when both stores
 acknowledged a step.
 
-A store keeps, per owner rank, at most two steps: the newest step that every
-rank completed (the driver *pins* it) and one in flight; entries older than
-the pinned step, or of earlier attempts, are dropped. Its bytes are reported
+A store keeps, per owner rank, two steps: the newest step that every rank
+completed (the driver *pins* it) and one in flight; entries older than the
+pinned step, or of earlier attempts, are dropped. While the driver's pin lags
+and a buddy's replica in the same store is older than the owner's newest
+steps, the owner's steps from the buddy's on are kept too (at most four):
+the step complete on every rank may be one of them. Its bytes are reported
 (``Result.ram_tier_bytes``: the peak held by one node's store).
 
 At each restart the driver asks every store it can still reach (those on
@@ -30,7 +33,14 @@ are a :class:`RestoreChoice` in ``Result.restores`` and in the progress line.
 Inside the worker, ``get_checkpoint()`` then returns a :class:`RamCheckpoint`
 (the :class:`~rayslice.train.Checkpoint` interface, ``tier == "ram"``) whose
 ``restore(target)`` rebuilds every leaf from the stored shards for the
-target's sharding: the values are bitwise identical to the saved ones.
+target's sharding: the values are bitwise identical to the saved ones. The
+restoring world may differ from the saving one (an elastic resize): a target
+shard that no host saved as such is assembled from the saved shards that
+overlap it (:func:`~rayslice.train.ramtier.restore.assemble`). Once a step of
+a new attempt is complete, the stores only earlier attempts used are killed
+(their nodes may be gone unnoticed); the driver also starts stores on the
+spare hosts a restart would take (:meth:`RamTier.prestart`), so that a
+restart finds them up.
 
 Example:
     >>> choice = choose_restore(

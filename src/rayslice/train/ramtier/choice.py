@@ -43,18 +43,33 @@ def buddy_ranks(
     return out
 
 
-def retained(entries: Iterable[tuple[int, int]], pin: tuple[int, int] | None, keep: int = 2) -> set[tuple[int, int]]:
+#: The most steps a store keeps of one owner rank, however far the pin lags (bounds the tier's memory).
+MAX_KEPT = 4
+
+
+def retained(
+    entries: Iterable[tuple[int, int]],
+    pin: tuple[int, int] | None,
+    keep: int = 2,
+    floor: tuple[int, int] | None = None,
+) -> set[tuple[int, int]]:
     """Which ``(attempt, step)`` entries of one owner rank a store keeps.
 
     The pinned entry (the newest step every rank completed) and the newest
     others, ``keep`` in all; entries older than the pin, or of an earlier
-    attempt than the pin's, are obsolete.
+    attempt than the pin's, are obsolete. ``floor``: the oldest of the newest
+    entries the store holds of its *other* owners (a buddy's replica that is
+    late): entries of this owner from there on are kept too, since the step
+    complete on every rank may be one of them while the driver's pin lags —
+    at most :data:`MAX_KEPT` in all.
 
     Example:
         >>> sorted(retained([(1, 2), (1, 4), (1, 6)], pin=(1, 4)))
         [(1, 4), (1, 6)]
         >>> sorted(retained([(1, 2), (1, 4), (2, 4), (2, 6), (2, 8)], pin=(2, 4)))
         [(2, 4), (2, 8)]
+        >>> sorted(retained([(1, 6), (1, 8), (1, 10)], pin=None, floor=(1, 6)))  # the buddy's replica is at 6
+        [(1, 6), (1, 8), (1, 10)]
     """
     live = [e for e in set(entries) if pin is None or (e[0] >= pin[0] and e[1] >= pin[1])]
     live.sort(key=lambda e: (e[1], e[0]), reverse=True)
@@ -63,6 +78,12 @@ def retained(entries: Iterable[tuple[int, int]], pin: tuple[int, int] | None, ke
         if len(kept) >= keep:
             break
         kept.add(e)
+    if floor is not None:
+        for e in live:
+            if len(kept) >= MAX_KEPT:
+                break
+            if e[0] == floor[0] and e[1] >= floor[1]:
+                kept.add(e)
     return kept
 
 
@@ -126,9 +147,11 @@ def choose_restore(
 
     Returns:
         A :class:`RestoreChoice` (its ``attempt`` is 0: the caller sets it).
-        RAM wins when every rank of one ``(attempt, step)`` is held by a
-        reachable store, saved by a world of ``world_size`` hosts, and the
-        step is at least ``storage_step``.
+        RAM wins when every rank of the world that saved one ``(attempt,
+        step)`` is held by a reachable store and the step is at least
+        ``storage_step``; that world may differ from ``world_size`` (an
+        elastic resize: each host of the new world assembles its shards from
+        the saved ones).
 
     Example:
         >>> c = choose_restore(world_size=2, holdings={"a0": [(0, 1, 40, 2)]}, unreachable={"a1": "host lost"},
@@ -140,27 +163,28 @@ def choose_restore(
         'storage step 30: RAM step 40 unreachable: rank 1 lost (slice-a worker 1; its replica on ... does not hold it)'
     """
     held: dict[tuple[int, int], dict[int, list[str]]] = {}
-    wrong_world: dict[tuple[int, int], int] = {}
+    saved_by: dict[tuple[int, int], int] = {}  # the world size that saved each step
     for store, entries in holdings.items():
         for owner, attempt, step, world in entries:
-            if world != world_size:
-                wrong_world[(attempt, step)] = world
-                continue
             held.setdefault((attempt, step), {}).setdefault(owner, []).append(store)
-    complete = [k for k, owners in held.items() if all(r in owners for r in range(world_size))]
+            saved_by[(attempt, step)] = world
+    complete = [k for k, owners in held.items() if all(r in owners for r in range(saved_by[k]))]
     best = max(complete, key=lambda k: (k[1], k[0]), default=None)
     if best is not None and (storage_step is None or best[1] >= storage_step):
         attempt, step = best
         where = placement.get(attempt, {})
         sources: dict[int, tuple[str, ...]] = {}
         via_replica = []
-        for r in range(world_size):
+        for r in range(saved_by[best]):
             primary = where.get(r, ("", ""))[0]
             stores = sorted(held[best][r], key=lambda s: (s != primary, s))
             sources[r] = tuple(stores)
             if stores[0] != primary:
                 via_replica.append(f"rank {r} from its replica on {labels.get(stores[0], stores[0])}")
-        reason = f"RAM step {step}: every shard reachable" + (f" ({'; '.join(via_replica)})" if via_replica else "")
+        notes = via_replica + (
+            [f"saved by {saved_by[best]} hosts, restored onto {world_size}"] if saved_by[best] != world_size else []
+        )
+        reason = f"RAM step {step}: every shard reachable" + (f" ({'; '.join(notes)})" if notes else "")
         return RestoreChoice(0, "ram", step, reason, sources=sources, from_attempt=attempt)
     if best is not None:  # complete in RAM, but storage is newer
         return _storage_choice(storage_step, f"newer than RAM step {best[1]}")
@@ -169,20 +193,14 @@ def choose_restore(
         partial = max(held, key=lambda k: (k[1], k[0]), default=None)
         target = partial
     if target is None:
-        if wrong_world:
-            (a, s), w = max(wrong_world.items(), key=lambda kv: (kv[0][1], kv[0][0]))
-            return _storage_choice(storage_step, f"RAM step {s} was saved by {w} hosts, this run has {world_size}")
         return _storage_choice(storage_step, "no RAM step complete" if placement else "")
     attempt, step = target
     if storage_step is not None and step < storage_step:
         return _storage_choice(storage_step, f"newer than RAM step {step}")
-    if (attempt, step) in wrong_world:
-        w = wrong_world[(attempt, step)]
-        return _storage_choice(storage_step, f"RAM step {step} was saved by {w} hosts, this run has {world_size}")
     owners = held.get((attempt, step), {})
     where = placement.get(attempt, {})
     missing = []
-    for r in range(world_size):
+    for r in range(saved_by.get((attempt, step), len(where) or world_size)):
         if r in owners:
             continue
         primary, replica = where.get(r, ("", ""))

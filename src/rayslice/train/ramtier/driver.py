@@ -39,6 +39,41 @@ class RamTier:
         self.complete: tuple[int, int] | None = None  # (attempt, step) every rank acknowledged
         self.peak_bytes = 0
 
+    def prestart(self, node_ids: Sequence[str]) -> int:
+        """Creates the stores of nodes a later attempt may run on (a restart's spare hosts); returns how many.
+
+        A store's process then starts off the critical path: the attempt that runs there finds it up.
+        """
+        before = len(self.stores)
+        for node_id in node_ids:
+            self._create(node_id)
+        return len(self.stores) - before
+
+    def _create(self, node_id: str) -> str:
+        """The name of the store of ``node_id``, created (not waited for) if missing."""
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        from rayslice.gang import NAMESPACE
+
+        name = store_name(self.run_id, node_id)
+        if name not in self.stores:
+            self.stores[name] = (
+                ray.remote(RamStore)
+                .options(
+                    name=name,
+                    namespace=NAMESPACE,
+                    num_cpus=0,
+                    max_concurrency=4,  # pings and inventories never queue behind a large put
+                    max_restarts=0,
+                    scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+                )
+                .remote()
+            )
+            self.nodes[name] = node_id
+            self.labels.setdefault(name, f"node {node_id[:8]}")
+        return name
+
     def start_attempt(self, attempt: int, hosts: Sequence[Any]) -> list[dict[str, Any]]:
         """Creates the stores missing on the attempt's nodes; returns each rank's ``info["ram"]``.
 
@@ -46,27 +81,12 @@ class RamTier:
         ``slice_index``, ``worker_id``, ``slice_name``, ``num_slices``, ``hosts_per_slice``).
         """
         import ray
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        from rayslice.gang import NAMESPACE
-
-        actor_cls = ray.remote(RamStore)
         names = []
         for h in hosts:
-            name = store_name(self.run_id, h.node_id)
+            name = self._create(h.node_id)
             names.append(name)
             self.labels[name] = f"{h.slice_name} worker {h.worker_id}"
-            if name in self.stores:
-                continue
-            self.stores[name] = actor_cls.options(
-                name=name,
-                namespace=NAMESPACE,
-                num_cpus=0,
-                max_concurrency=4,  # pings and inventories never queue behind a large put
-                max_restarts=0,
-                scheduling_strategy=NodeAffinitySchedulingStrategy(h.node_id, soft=False),
-            ).remote()
-            self.nodes[name] = h.node_id
         ray.get([self.stores[n].ping.remote() for n in set(names)], timeout=60)
         first = hosts[0] if hosts else None
         buddies = buddy_ranks(
@@ -102,6 +122,45 @@ class RamTier:
                     store.pin.remote(attempt, step)  # fire and forget: pruning only
                 except Exception:
                     pass
+            self._retire_before(attempt)
+
+    def _retire_before(self, attempt: int) -> None:
+        """Kills the stores only earlier attempts used: a step of ``attempt`` is complete, theirs are obsolete.
+
+        Their nodes may be gone unnoticed (the rest of a broken slice): a store kept would only make the next
+        restore choice wait for its answer. Stores pre-started on spare hosts were never used and stay.
+        """
+        import ray
+
+        current = {n for pair in self.placement.get(attempt, {}).values() for n in pair}
+        earlier = {n for a, by_rank in self.placement.items() if a < attempt for pair in by_rank.values() for n in pair}
+        for name in earlier - current:
+            actor = self.stores.pop(name, None)
+            if actor is None:
+                continue
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:
+                pass
+
+    def meta(self, choice: RestoreChoice, timeout_s: float = 10.0) -> dict[str, Any] | None:
+        """The metadata saved with a RAM ``choice`` (from the first store of its lowest rank that answers)."""
+        import ray
+
+        if choice.tier != "ram" or not choice.sources or choice.step is None:
+            return None
+        rank = min(choice.sources)
+        for name in choice.sources[rank]:
+            actor = self.stores.get(name)
+            if actor is None:
+                continue
+            try:
+                got = ray.get(actor.meta.remote(rank, choice.from_attempt, choice.step), timeout=timeout_s)
+            except Exception:
+                continue
+            if got is not None:
+                return dict(got)
+        return None
 
     def choose(
         self,

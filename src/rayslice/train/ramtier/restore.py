@@ -9,7 +9,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from rayslice.errors import GangError, Outcome
@@ -104,7 +104,8 @@ class RamCheckpoint(Checkpoint):
 
     def metadata(self) -> dict[str, Any]:
         """Step, metrics and every host's data iterator states, as saved with the step."""
-        return dict(self._fetcher.payload(self._own_rank())["meta"])
+        own = self._own_rank()
+        return dict(self._fetcher.payload(own if own in self.sources else min(self.sources, default=0))["meta"])
 
     def _no_files(self, *_: Any, **__: Any) -> Any:
         raise ValueError(
@@ -139,9 +140,11 @@ class RamCheckpoint(Checkpoint):
 
         own = self._own_rank()
         fetch = self._fetcher
+        # This host's own saved shards first; then the others' (a host of another world size, or a shard
+        # this host did not hold, is served from theirs).
+        ranks = ([own] if own in self.sources else []) + [r for r in sorted(self.sources) if r != own]
 
-        def find(path: str, key: tuple[tuple[int, int], ...] | None) -> Any:
-            ranks = [own] + [r for r in sorted(self.sources) if r != own]
+        def records(path: str) -> Any:
             for r in ranks:
                 rec = fetch.payload(r)["leaves"].get(path)
                 if rec is None:
@@ -149,16 +152,27 @@ class RamCheckpoint(Checkpoint):
                         f"RAM checkpoint step {self.step} has no leaf {path}: the target's structure differs from "
                         "the reported tree's"
                     )
-                if key is None:
-                    return rec
-                if rec["kind"] == "array" and key in rec["shards"]:
-                    return rec["shards"][key]
+                yield rec
+
+        def find(path: str, key: tuple[tuple[int, int], ...] | None) -> Any:
+            if key is None:
+                return next(iter(records(path)))
+            seen = []
+            for rec in records(path):
                 if rec["kind"] != "array":
                     raise ValueError(f"RAM checkpoint step {self.step}: leaf {path} was saved as a value, not an array")
-            raise ValueError(
-                f"RAM checkpoint step {self.step}: no host holds the shard {key} of leaf {path} "
-                "(the target's sharding differs from the saved one)"
-            )
+                if key in rec["shards"]:
+                    return rec["shards"][key]
+                seen.append(rec)
+            # No host held this exact shard: the target is sharded otherwise (another world size after an
+            # elastic resize). Assemble it from the saved shards that overlap it.
+            got = assemble(key, ((k, v) for rec in seen for k, v in rec["shards"].items()))
+            if got is None:
+                raise ValueError(
+                    f"RAM checkpoint step {self.step}: the saved shards of leaf {path} do not cover the target's "
+                    f"shard {key}"
+                )
+            return got
 
         def build(kpath: Any, leaf: Any) -> Any:
             path = jax.tree_util.keystr(kpath)
@@ -188,6 +202,42 @@ class RamCheckpoint(Checkpoint):
             )
 
         return jax.tree_util.tree_map_with_path(build, target)
+
+
+def assemble(box: tuple[tuple[int, int], ...], pieces: Iterable[tuple[Any, Any]]) -> Any:
+    """The block ``box`` (``((start, stop), ...)`` per dimension) of an array, from saved pieces; None if uncovered.
+
+    ``pieces`` are ``(piece box, numpy array)``; only those overlapping ``box``
+    are copied, and the pieces are read until the block is covered.
+
+    Example:
+        >>> import numpy as np
+        >>> a = np.arange(8.0).reshape(4, 2)
+        >>> halves = [(((0, 2), (0, 2)), a[:2]), (((2, 4), (0, 2)), a[2:])]
+        >>> assemble(((1, 3), (0, 2)), halves).tolist()  # a block across both halves
+        [[2.0, 3.0], [4.0, 5.0]]
+        >>> assemble(((0, 4), (0, 2)), halves[:1]) is None  # half of it was never saved
+        True
+    """
+    import numpy as np
+
+    shape = tuple(hi - lo for lo, hi in box)
+    out = None
+    covered = np.zeros(shape, dtype=bool)
+    for piece_box, data in pieces:
+        overlap = [(max(a, c), min(b, d)) for (a, b), (c, d) in zip(box, piece_box, strict=True)]
+        if any(lo >= hi for lo, hi in overlap):
+            continue
+        data = np.asarray(data)
+        if out is None:
+            out = np.empty(shape, dtype=data.dtype)
+        dst = tuple(slice(lo - a, hi - a) for (lo, hi), (a, _) in zip(overlap, box, strict=True))
+        src = tuple(slice(lo - c, hi - c) for (lo, hi), (c, _) in zip(overlap, piece_box, strict=True))
+        out[dst] = data[src]
+        covered[dst] = True
+        if covered.all():
+            return out
+    return out if out is not None and covered.all() else None
 
 
 def ram_checkpoint(run_id: str, restore: Mapping[str, Any]) -> RamCheckpoint:

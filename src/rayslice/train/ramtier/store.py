@@ -81,6 +81,12 @@ class RamStore:
         with self._lock:
             return self._data.get(owner, {}).get((attempt, step))
 
+    def meta(self, owner: int, attempt: int, step: int) -> dict[str, Any] | None:
+        """The metadata saved with a step (metrics, every host's data states), without its arrays."""
+        with self._lock:
+            payload = self._data.get(owner, {}).get((attempt, step))
+            return None if payload is None else dict(payload.get("meta", {}))
+
     def inventory(self) -> dict[str, Any]:
         """``{"entries": [(owner, attempt, step, world size)], "bytes": held, "peak_bytes": peak}``."""
         with self._lock:
@@ -93,7 +99,9 @@ class RamStore:
 
     def _prune(self, owner: int) -> None:
         entries = self._data.get(owner, {})
-        keep = retained(entries, self._pin)
+        others = [max(by_key, key=lambda e: (e[1], e[0])) for o, by_key in self._data.items() if o != owner and by_key]
+        floor = min(others, key=lambda e: (e[1], e[0])) if others else None
+        keep = retained(entries, self._pin, floor=floor)
         for key in [k for k in entries if k not in keep]:
             del entries[key]
         if not entries:
