@@ -491,9 +491,8 @@ class JaxTrainer:
                         got[rank] = ray.get(ref)
                     except Exception as e:  # the host died (Ray noticed it): raised once the others are booked
                         error = error or e
-                        if isinstance(e, ray.exceptions.RayActorError):  # its process, and likely its node, gone
+                        if isinstance(e, ray.exceptions.RayActorError):  # its process gone, maybe its host
                             self._avoid.add(gang.contexts[rank].slice_name)
-                            self._lost_nodes.add(gang.contexts[rank].node_id)
             for rank, reports in got.items():
                 for r in reports:
                     steps.setdefault(r["step"], {})[rank] = r
@@ -568,11 +567,10 @@ class JaxTrainer:
                     outcome = Outcome.PREEMPTED
                     # Ray may list the node as alive for a while yet: reserve elsewhere if possible.
                     self._avoid |= {gang.contexts[r].slice_name for r in lost_ranks}
-            elif rank is not None and 0 <= rank < len(gang.contexts):  # Ray saw the process die with its host
+            elif rank is not None and 0 <= rank < len(gang.contexts):  # Ray saw the process die, maybe its host
+                # Reserve elsewhere if possible. Its node is not taken for lost: a process also dies alone (a
+                # collective aborted by a peer's loss), and its node's RAM store may hold the replicas needed.
                 self._avoid.add(gang.contexts[rank].slice_name)
-                # Its node's RAM store is taken for gone too (its shards have a replica elsewhere): asking it
-                # would only make the restore choice wait for an answer from a dead node.
-                self._lost_nodes.add(gang.contexts[rank].node_id)
             salvage(frozenset())
             return RunOutcome(
                 outcome,
