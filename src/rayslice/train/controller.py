@@ -726,46 +726,48 @@ class JaxTrainer:
     def _reserve(self, name: str) -> SlicePlacementGroup:
         """The attempt's slices; an elastic run counts the free ones again when a bigger size does not come.
 
-        A slice counted free may never come (a host of it died and Ray does not list it dead yet): the elastic
-        size is tried for at most ``_ELASTIC_TRY_S`` at a time, then chosen again from a fresh count, until the
-        reservation timeout.
+        A slice counted free may never come (a host of it died and Ray does not list it dead yet): an elastic
+        size above ``min_slices`` is tried for at most ``_ELASTIC_TRY_S`` at a time, then chosen again from a
+        fresh count, until the reservation timeout.
         """
-        sc = self.scaling
-        if self._elastic is None:
-            return slice_placement_group(
-                sc.request,
-                timeout_s=sc.reservation_timeout_s,
-                name=name,
-                progress=False,
-                avoid_slices=sorted(self._avoid),
-            )
+        sc, el = self.scaling, self._elastic
         deadline = Deadline(sc.reservation_timeout_s)
         while True:
-            request = self._elastic.request(sc.request, self._avoid)
-            bigger = request.num_slices > self._elastic.policy.min_slices
+            request = el.request(sc.request, self._avoid) if el is not None else sc.request
+            bigger = el is not None and request.num_slices > el.policy.min_slices
             wait = min(deadline.remaining, _ELASTIC_TRY_S) if bigger else deadline.remaining
+            timeout = sc.reservation_timeout_s if el is None else max(wait, 0.5)  # (a retry may find little left)
             try:
                 return slice_placement_group(
-                    request, timeout_s=max(wait, 0.5), name=name, progress=False, avoid_slices=sorted(self._avoid)
+                    request, timeout_s=timeout, name=name, progress=False, avoid_slices=sorted(self._avoid)
                 )
             except ReservationTimeout:
                 if not bigger or deadline.expired:
                     raise
                 logger.debug("elastic: %d slices did not come within %.1f s; counting again", request.num_slices, wait)
 
-    def _warm_spares(self, spg: SlicePlacementGroup) -> None:
-        """Pre-starts gang processes on the hosts the next attempt would get (free slices of the shape).
+    def _prewarm(self, spg: SlicePlacementGroup, max_slices: int | None = None) -> list[str]:
+        """Warm processes on the hosts a next attempt would take; returns those hosts.
 
-        An elastic run's next attempt may run on the survivors of this one (a shrink): their hosts get a warm
-        process too (no chips held: this attempt's processes keep theirs).
+        The hosts of free slices of the shape (at most ``max_slices`` of them) get a warm process and, with
+        the RAM tier, their RAM store. An elastic run's next attempt may also run on this one's hosts (a
+        shrink onto the survivors, a grow): they get a warm process too (no chips held: this attempt's
+        processes keep theirs).
         """
+        assert self._warm is not None
+        spare = spare_hosts(self.scaling.request, exclude=[s.name for s in spg.slices], max_slices=max_slices)
+        hosts = spare + ([h.node_id for _, h in spg.hosts()] if self._elastic is not None else [])
+        self._warm.warm(hosts)
+        if self._ram is not None:  # the RAM stores a restart there needs, up before it
+            self._ram.prestart(spare)
+        return hosts
+
+    def _warm_spares(self, spg: SlicePlacementGroup) -> None:
+        """Pre-starts gang processes on the hosts the next attempt would get (see :meth:`_prewarm`)."""
         if self._warm is None or self.tpu_slice is not None:
             return
         try:
-            hosts = spare_hosts(self.scaling.request, exclude=[s.name for s in spg.slices])
-            self._warm.warm(hosts + ([h.node_id for _, h in spg.hosts()] if self._elastic is not None else []))
-            if self._ram is not None:  # the RAM stores a restart there needs, up before it
-                self._ram.prestart(hosts)
+            self._prewarm(spg)
         except Exception as e:  # an optimisation only: never fails the attempt
             logger.debug("could not pre-start spare gang processes: %s", e)
 
@@ -781,14 +783,7 @@ class JaxTrainer:
         if self._grow_wait_since is None:
             self._grow_wait_since = now
         try:
-            new = spare_hosts(
-                self.scaling.request, exclude=[s.name for s in spg.slices], max_slices=target - spg.num_slices
-            )
-            hosts = new + [h.node_id for _, h in spg.hosts()]
-            self._warm.warm(hosts)
-            if self._ram is not None:
-                self._ram.prestart(new)
-            ready = self._warm.ready(hosts)
+            ready = self._warm.ready(self._prewarm(spg, max_slices=target - spg.num_slices))
         except Exception as e:  # an optimisation only
             logger.debug("could not pre-start gang processes for a grow: %s", e)
             ready = True
