@@ -216,6 +216,10 @@ def _run(sim, slices, tmp_path, name, grace_s, **extra):
             callbacks=[notify_at_step_5],
         ),
     ).fit()
+    if fired and sim.slices[fired[0][0]].hosts[1].alive:
+        # The grace ends with the run: a noticed host left alive would be killed by the notice's timer
+        # later, in the middle of whichever run (of a later test) took its slice meanwhile.
+        sim.preempt_host(fired[0][0], 1)
     return r, fired
 
 
