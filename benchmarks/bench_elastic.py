@@ -51,6 +51,9 @@ SLICES = 3
 # Steps of the goodput runs (0.2 s each): a resize costs a few seconds whatever the run's length, and a
 # fault-free run of 90 steps spends as long starting as stepping; 270 steps make it a run, still short.
 STEPS = 270
+# The goodput runs' checkpoint cadence, as in production (and bench_train's): the RAM tier every step,
+# storage every 50. Figure (b) checkpoints to storage every step.
+PRODUCTION_CHECKPOINTS = {"ram_every_steps": 1, "storage_every_steps": 50}
 
 
 def _ship_by_value() -> None:
@@ -96,7 +99,7 @@ def step_loop(config: dict) -> None:
         state = {"w": w, "step": i + 1}
         loss = float(loss)
         _t.sleep(max(0.0, config["step_s"] - (_t.perf_counter() - t)))
-        report({"loss": loss, "slices": ctx.num_slices, "attempt": ctx.attempt}, checkpoint=state)
+        report({"loss": loss, "slices": ctx.num_slices, "attempt": ctx.attempt, "step": i + 1}, checkpoint=state)
 
 
 def accum_loop(config: dict) -> None:
@@ -179,7 +182,13 @@ def accum_loop(config: dict) -> None:
         state = {"mesh": new_mesh, "exact": {k: glob(v) for k, v in exact.items()}, "step": step + 1}
         _t.sleep(max(0.0, config["step_s"] - (_t.perf_counter() - t)))
         report(
-            {"loss": sum(losses) / len(losses), "slices": ctx.num_slices, "accum": accum, "attempt": ctx.attempt},
+            {
+                "loss": sum(losses) / len(losses),
+                "slices": ctx.num_slices,
+                "accum": accum,
+                "attempt": ctx.attempt,
+                "step": step + 1,
+            },
             checkpoint=state,
         )
     if rank == 0:
@@ -207,7 +216,7 @@ class _Schedule:
 
     def after_report(self, run_context: Any, metrics: list[dict[str, Any]], checkpoint: Any) -> None:
         m = metrics[0]
-        step = checkpoint.step if checkpoint is not None else 0
+        step = int(m["step"])
         if self.killed_at is None and m["slices"] == SLICES and step >= self.kill_at:
             import rayslice
 
@@ -253,7 +262,17 @@ def _all_free(pool: list[str]) -> None:
         deadline.sleep_or_raise(0.2, f"the {SLICES} slices of the benchmark never came back free")
 
 
-def _fit(loop: Any, config: dict, storage: str, *, min_slices: int, keep: bool, callbacks: list[Any]) -> Any:
+def _fit(
+    loop: Any,
+    config: dict,
+    storage: str,
+    *,
+    min_slices: int,
+    keep: bool,
+    callbacks: list[Any],
+    checkpoints: dict[str, int] | None = None,
+) -> Any:
+    """One run on the benchmark's slices; ``checkpoints``: the cadence (default: storage every step)."""
     from rayslice.train import CheckpointConfig, FailureConfig, JaxTrainer, RunConfig, ScalingConfig
 
     r = JaxTrainer(
@@ -273,7 +292,7 @@ def _fit(loop: Any, config: dict, storage: str, *, min_slices: int, keep: bool, 
             storage_path=storage,
             progress=False,
             callbacks=callbacks,
-            checkpoint_config=CheckpointConfig(num_to_keep=2),
+            checkpoint_config=CheckpointConfig(**(checkpoints or {}), num_to_keep=2),
             failure_config=FailureConfig(max_preemptions=3),
         ),
     ).fit()
@@ -306,6 +325,7 @@ def _goodput_run(
                 min_slices=SLICES if elastic is False else 1,  # the fault-free run: the elastic run, no fault
                 keep=False,
                 callbacks=[sched] if sched else [],
+                checkpoints=PRODUCTION_CHECKPOINTS,
             )
         except BaseException as e:  # re-raised in the main thread
             box["error"] = e

@@ -55,6 +55,19 @@ def live_groups(prefix: str = "") -> list[str]:
     )
 
 
+def wait_free(*slice_names: str, timeout_s: float = 30.0) -> None:
+    """Waits until Ray's resource view shows these slices free (a removed group's chips show up a moment later)."""
+    import rayslice
+    from rayslice._deadline import Deadline
+
+    deadline = Deadline(timeout_s)
+    while True:
+        states = {s.name: s.state for s in rayslice.list_slices() if s.name in slice_names}
+        if all(states.get(n) == "free" for n in slice_names):
+            return
+        deadline.sleep_or_raise(0.05, f"slices not free: {states}")
+
+
 @contextlib.contextmanager
 def busy_host(slice_name: str, worker_id: int, chips: float = 4) -> Iterator[None]:
     """Holds chips of one host with a placement group, as another job would."""

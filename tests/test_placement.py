@@ -10,7 +10,7 @@ import rayslice
 from rayslice import placement
 from rayslice.errors import NoMatchingSlice, ReservationTimeout
 
-from .conftest import SLICE_A, SLICE_B, busy_host, live_groups
+from .conftest import SLICE_A, SLICE_B, busy_host, live_groups, wait_free
 
 pytestmark = pytest.mark.ray
 
@@ -137,6 +137,7 @@ def test_exception_inside_the_block_releases(ray_cluster):
 
 
 def test_explain_reports_every_slice(ray_cluster):
+    wait_free(SLICE_A, SLICE_B)  # explain() is a snapshot: the previous test's release shows up a moment later
     with busy_host(SLICE_A, 1):
         plan = rayslice.explain("2x2x2", "TPU-V4")
     assert plan.ok and [s.name for s in plan.chosen] == [SLICE_B]

@@ -288,6 +288,7 @@ def elastic_loop(config: dict) -> None:
             "total": total,
             "vec": multihost_utils.process_allgather(vec, tiled=True).tolist(),  # every host's part
             "mesh": dict(ctx.mesh_shape),
+            "pid": os.getpid(),
         }
         report(metrics, checkpoint={"total": total, "vec": vec, "train": it})
 
@@ -369,6 +370,65 @@ def test_a_run_shrinks_onto_the_survivors_then_grows_back_reading_every_row_once
         assert seen == {(2, 1, "2", 8), (1, 2, "", 4)}  # MEGASCALE_* rebuilt per size, never stale
         assert max(m["epoch"] for m in by_step.values()) == 2
         assert all(len(m["ids"]) == 8 for s, m in by_step.items() if s < steps[-1])  # global batch kept on one slice
+    finally:
+        for n in names:
+            if any(h.alive for h in ray_cluster.slices[n].hosts):
+                ray_cluster.preempt_slice(n)
+    assert live_groups() == [] and _no_actors_left() == []
+
+
+@pytest.mark.ray
+def test_a_process_that_dies_alone_costs_a_restart_on_the_same_size_not_a_shrink(ray_cluster, tmp_path):
+    import os
+    import signal
+
+    import ray
+
+    from rayslice.train import FailureConfig, JaxTrainer, RunConfig, UserCallback
+
+    from .conftest import live_groups
+    from .test_train import _no_actors_left
+
+    names = [ray_cluster.add_slice(f"v4:2x2x1@alone-{x}") for x in "ab"]
+    ids_dir = tmp_path / "ids"
+    ids_dir.mkdir()
+    killed: list[int] = []
+
+    class KillOneProcess(UserCallback):
+        def after_report(self, run_context, metrics, checkpoint):
+            if metrics[0]["step"] >= 3 and not killed:  # rank 1's process dies; every host stays up
+                killed.append(metrics[1]["pid"])
+                os.kill(metrics[1]["pid"], signal.SIGKILL)
+
+    try:
+        result = JaxTrainer(
+            elastic_loop,
+            train_loop_config={"batch": 4, "sleep_s": 0.2, "ids_dir": str(ids_dir)},
+            scaling_config=ScalingConfig(
+                topology="2x2x1",
+                accelerator_type="TPU-V4",
+                num_slices=2,
+                min_slices=1,
+                regrow_every_s=0,
+                reservation_timeout_s=60,
+            ),
+            datasets={"train": ray.data.range(8 * 8)},
+            run_config=RunConfig(
+                name="alone",
+                storage_path=str(tmp_path),
+                progress=False,
+                callbacks=[KillOneProcess()],
+                failure_config=FailureConfig(max_preemptions=1, max_failures=1),
+                checkpoint_config=CheckpointConfig(ram_every_steps=1, storage_every_steps=1000),
+            ),
+        ).fit()
+        assert result.error is None, result.error
+        assert killed and result.attempts == 2
+        # Its slice's hosts are up (their RAM stores answer): the restart keeps both slices, no shrink.
+        assert result.resizes == [], [str(e) for e in result.resizes]
+        assert {m["slices"] for m in result.metrics_history} == {2}
+        assert result.restores[0].tier == "ram", result.restores[0]
+        assert result.metrics["total"] == sum(range(8 * 8))
     finally:
         for n in names:
             if any(h.alive for h in ray_cluster.slices[n].hosts):

@@ -205,6 +205,8 @@ class JaxTrainer:
         error: BaseException | None = None
         self._return_value = None
         self._avoid: set[str] = set()  # slices with a host that just stopped answering
+        # Avoided slices only because a process of theirs died (its host may be up): slice -> its hosts' nodes.
+        self._suspect: dict[str, list[str]] = {}
         self._warm: WarmPool | None = None  # pre-started processes on spare hosts (FailureConfig.warm_spares)
         self._grow_wait_since: float | None = None  # an elastic grow waiting for warm processes, since
         self._detection_s = 0.0
@@ -335,7 +337,7 @@ class JaxTrainer:
             self._status(status, f"attempt {attempt}: reserving {sc.request}")
             with tracker.timed("reservation"):
                 spg = self._reserve(f"{run.name}-{attempt}")
-            self._avoid = set()
+            self._avoid, self._suspect = set(), {}
         options: dict[str, Any] = {"max_concurrency": 2}
         if rc.worker_runtime_env:
             options["runtime_env"] = dict(rc.worker_runtime_env)
@@ -492,7 +494,7 @@ class JaxTrainer:
                     except Exception as e:  # the host died (Ray noticed it): raised once the others are booked
                         error = error or e
                         if isinstance(e, ray.exceptions.RayActorError):  # its process gone, maybe its host
-                            self._avoid.add(gang.contexts[rank].slice_name)
+                            suspect(rank)
             for rank, reports in got.items():
                 for r in reports:
                     steps.setdefault(r["step"], {})[rank] = r
@@ -520,6 +522,12 @@ class JaxTrainer:
                 complete(step, steps.pop(step))
             if error is not None:
                 raise error
+
+        def suspect(rank: int) -> None:
+            # Reserve elsewhere if possible; an elastic run checks before it counts (see _keep_live_suspects).
+            name = gang.contexts[rank].slice_name
+            self._avoid.add(name)
+            self._suspect[name] = [hc.node_id for hc in gang.contexts if hc.slice_name == name]
 
         def silent() -> float:
             # How long the quietest host had been silent: the detection delay of a loss Ray reported.
@@ -570,7 +578,7 @@ class JaxTrainer:
             elif rank is not None and 0 <= rank < len(gang.contexts):  # Ray saw the process die, maybe its host
                 # Reserve elsewhere if possible. Its node is not taken for lost: a process also dies alone (a
                 # collective aborted by a peer's loss), and its node's RAM store may hold the replicas needed.
-                self._avoid.add(gang.contexts[rank].slice_name)
+                suspect(rank)
             salvage(frozenset())
             return RunOutcome(
                 outcome,
@@ -732,6 +740,8 @@ class JaxTrainer:
         """
         sc, el = self.scaling, self._elastic
         deadline = Deadline(sc.reservation_timeout_s)
+        if el is not None:
+            self._keep_live_suspects()
         while True:
             request = el.request(sc.request, self._avoid) if el is not None else sc.request
             bigger = el is not None and request.num_slices > el.policy.min_slices
@@ -745,6 +755,26 @@ class JaxTrainer:
                 if not bigger or deadline.expired:
                     raise
                 logger.debug("elastic: %d slices did not come within %.1f s; counting again", request.num_slices, wait)
+
+    def _keep_live_suspects(self) -> None:
+        """Stops avoiding slices whose process died while every host of theirs is up (its RAM store answers).
+
+        A gang process also dies alone, e.g. aborted with its collective when a peer host (holding JAX's
+        coordination service) went down; an elastic run that avoided its slice would shrink further than
+        the loss. Without the RAM tier there is nothing on the host to ask: the slice stays avoided.
+        """
+        suspects, self._suspect = self._suspect, {}
+        if self._ram is None or not suspects:
+            return
+        try:
+            up = self._ram.answering({n for nodes in suspects.values() for n in nodes})
+        except Exception as e:  # an optimisation only
+            logger.debug("could not ask the RAM stores of %s: %s", sorted(suspects), e)
+            return
+        for name, nodes in suspects.items():
+            if set(nodes) <= up and not set(nodes) & self._lost_nodes:
+                self._avoid.discard(name)
+                logger.debug("elastic: %s stays in the count: a process died but every host of it is up", name)
 
     def _prewarm(self, spg: SlicePlacementGroup, max_slices: int | None = None) -> list[str]:
         """Warm processes on the hosts a next attempt would take; returns those hosts.

@@ -162,6 +162,27 @@ class RamTier:
                 return dict(got)
         return None
 
+    def answering(self, node_ids: Collection[str], timeout_s: float = 0.5) -> set[str]:
+        """Those of ``node_ids`` whose store answers a ping within ``timeout_s`` (their host is up).
+
+        A store is a process of its own on its host: when a gang process died,
+        its store still answering tells a process that died alone (e.g. aborted
+        with its collective) from a host that went down.
+        """
+        import ray
+
+        asked = {n: self.stores[s].ping.remote() for s, n in self.nodes.items() if n in node_ids and s in self.stores}
+        ready, _ = ray.wait(list(asked.values()), num_returns=len(asked), timeout=timeout_s) if asked else ([], [])
+        up = set()
+        for node, ref in asked.items():
+            if ref in ready:
+                try:
+                    ray.get(ref)
+                except Exception:
+                    continue
+                up.add(node)
+        return up
+
     def choose(
         self,
         world_size: int,
