@@ -207,6 +207,7 @@ class JaxTrainer:
         self._avoid: set[str] = set()  # slices with a host that just stopped answering
         # Avoided slices only because a process of theirs died (its host may be up): slice -> its hosts' nodes.
         self._suspect: dict[str, list[str]] = {}
+        self._silent_nodes: set[str] = set()  # nodes of the hosts whose heartbeats stopped, among the suspects
         self._warm: WarmPool | None = None  # pre-started processes on spare hosts (FailureConfig.warm_spares)
         self._grow_wait_since: float | None = None  # an elastic grow waiting for warm processes, since
         self._detection_s = 0.0
@@ -250,6 +251,8 @@ class JaxTrainer:
                     if grow and notice is not None:  # a clean stop at a saved step, not a failure
                         self._say(f"attempt {attempt}: saved step {notice['step']}; growing back onto free slices")
                         continue
+                if self._elastic is not None:  # before the restore choice and the count of free slices
+                    self._keep_live_suspects()
                 self._next_restore = choice = self._choose_restore(attempt + 1)
                 restore = choice.step
                 tracker.on_failure(restore, out.lost_s, self._detection_s)
@@ -337,7 +340,7 @@ class JaxTrainer:
             self._status(status, f"attempt {attempt}: reserving {sc.request}")
             with tracker.timed("reservation"):
                 spg = self._reserve(f"{run.name}-{attempt}")
-            self._avoid, self._suspect = set(), {}
+            self._avoid, self._suspect, self._silent_nodes = set(), {}, set()
         options: dict[str, Any] = {"max_concurrency": 2}
         if rc.worker_runtime_env:
             options["runtime_env"] = dict(rc.worker_runtime_env)
@@ -523,11 +526,13 @@ class JaxTrainer:
             if error is not None:
                 raise error
 
-        def suspect(rank: int) -> None:
+        def suspect(rank: int, silent: bool = False) -> None:
             # Reserve elsewhere if possible; an elastic run checks before it counts (see _keep_live_suspects).
             name = gang.contexts[rank].slice_name
             self._avoid.add(name)
             self._suspect[name] = [hc.node_id for hc in gang.contexts if hc.slice_name == name]
+            if silent:
+                self._silent_nodes.add(gang.contexts[rank].node_id)
 
         def silent() -> float:
             # How long the quietest host had been silent: the detection delay of a loss Ray reported.
@@ -593,9 +598,15 @@ class JaxTrainer:
             if verdict.kind == "lost":
                 outcome = Outcome.PREEMPTED
                 self._detection_s = verdict.silent_s
-                self._lost_nodes.update(gang.contexts[r].node_id for r in verdict.ranks)  # their RAM stores too
-                # Ray may list the node as alive for a while yet: reserve elsewhere if possible.
-                self._avoid = {gang.contexts[r].slice_name for r in verdict.ranks}
+                if self._elastic is not None and self._ram is not None:
+                    # A silent process, maybe a lost host: the hosts' RAM stores tell before the count.
+                    self._avoid = set()
+                    for r in verdict.ranks:
+                        suspect(r, silent=True)
+                else:
+                    self._lost_nodes.update(gang.contexts[r].node_id for r in verdict.ranks)  # their RAM stores too
+                    # Ray may list the node as alive for a while yet: reserve elsewhere if possible.
+                    self._avoid = {gang.contexts[r].slice_name for r in verdict.ranks}
             else:
                 outcome = Outcome.TIMEOUT
                 self._detection_s = max(0.0, verdict.silent_s - cast(float, fc.step_timeout_s))
@@ -740,8 +751,6 @@ class JaxTrainer:
         """
         sc, el = self.scaling, self._elastic
         deadline = Deadline(sc.reservation_timeout_s)
-        if el is not None:
-            self._keep_live_suspects()
         while True:
             request = el.request(sc.request, self._avoid) if el is not None else sc.request
             bigger = el is not None and request.num_slices > el.policy.min_slices
@@ -764,13 +773,16 @@ class JaxTrainer:
         the loss. Without the RAM tier there is nothing on the host to ask: the slice stays avoided.
         """
         suspects, self._suspect = self._suspect, {}
+        silent, self._silent_nodes = self._silent_nodes, set()
         if self._ram is None or not suspects:
+            self._lost_nodes |= silent
             return
         try:
             up = self._ram.answering({n for nodes in suspects.values() for n in nodes})
         except Exception as e:  # an optimisation only
             logger.debug("could not ask the RAM stores of %s: %s", sorted(suspects), e)
-            return
+            up = set()
+        self._lost_nodes |= silent - up  # a silent host whose store does not answer either: lost, stores and all
         for name, nodes in suspects.items():
             if set(nodes) <= up and not set(nodes) & self._lost_nodes:
                 self._avoid.discard(name)
