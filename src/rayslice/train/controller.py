@@ -206,8 +206,9 @@ class JaxTrainer:
         self._return_value = None
         self._avoid: set[str] = set()  # slices with a host that just stopped answering
         # Avoided slices only because a process of theirs died (its host may be up): slice -> its hosts' nodes.
-        self._suspect: dict[str, list[str]] = {}
+        self._suspect: set[str] = set()
         self._silent_nodes: set[str] = set()  # nodes of the hosts whose heartbeats stopped, among the suspects
+        self._hosts: dict[str, list[str]] = {}  # the last attempt's slices -> their hosts' nodes
         self._warm: WarmPool | None = None  # pre-started processes on spare hosts (FailureConfig.warm_spares)
         self._grow_wait_since: float | None = None  # an elastic grow waiting for warm processes, since
         self._detection_s = 0.0
@@ -252,7 +253,7 @@ class JaxTrainer:
                         self._say(f"attempt {attempt}: saved step {notice['step']}; growing back onto free slices")
                         continue
                 if self._elastic is not None:  # before the restore choice and the count of free slices
-                    self._keep_live_suspects()
+                    self._confirm_hosts()
                 self._next_restore = choice = self._choose_restore(attempt + 1)
                 restore = choice.step
                 tracker.on_failure(restore, out.lost_s, self._detection_s)
@@ -340,7 +341,7 @@ class JaxTrainer:
             self._status(status, f"attempt {attempt}: reserving {sc.request}")
             with tracker.timed("reservation"):
                 spg = self._reserve(f"{run.name}-{attempt}")
-            self._avoid, self._suspect, self._silent_nodes = set(), {}, set()
+            self._avoid, self._suspect, self._silent_nodes = set(), set(), set()
         options: dict[str, Any] = {"max_concurrency": 2}
         if rc.worker_runtime_env:
             options["runtime_env"] = dict(rc.worker_runtime_env)
@@ -526,11 +527,15 @@ class JaxTrainer:
             if error is not None:
                 raise error
 
+        self._hosts = {}
+        for hc in gang.contexts:
+            self._hosts.setdefault(hc.slice_name, []).append(hc.node_id)
+
         def suspect(rank: int, silent: bool = False) -> None:
-            # Reserve elsewhere if possible; an elastic run checks before it counts (see _keep_live_suspects).
+            # Reserve elsewhere if possible; an elastic run checks before it counts (see _confirm_hosts).
             name = gang.contexts[rank].slice_name
             self._avoid.add(name)
-            self._suspect[name] = [hc.node_id for hc in gang.contexts if hc.slice_name == name]
+            self._suspect.add(name)
             if silent:
                 self._silent_nodes.add(gang.contexts[rank].node_id)
 
@@ -765,26 +770,35 @@ class JaxTrainer:
                     raise
                 logger.debug("elastic: %d slices did not come within %.1f s; counting again", request.num_slices, wait)
 
-    def _keep_live_suspects(self) -> None:
-        """Stops avoiding slices whose process died while every host of theirs is up (its RAM store answers).
+    def _confirm_hosts(self) -> None:
+        """After an elastic attempt failed: which of its hosts are up, asked of their RAM stores (0.5 s).
 
         A gang process also dies alone, e.g. aborted with its collective when a peer host (holding JAX's
-        coordination service) went down; an elastic run that avoided its slice would shrink further than
-        the loss. Without the RAM tier there is nothing on the host to ask: the slice stays avoided.
+        coordination service) went down, and Ray may report that death before the lost host's: a slice
+        avoided for its process alone would shrink the run further than the loss, and a lost host not named
+        would be counted free. Each host's RAM store is a process of its own there: a host whose store
+        answers is up (its slice stays in the count), one whose store does not is lost (its slice is
+        avoided, its stores are not asked again). Without the RAM tier nothing on the host can be asked:
+        the slices of dead processes stay avoided.
         """
-        suspects, self._suspect = self._suspect, {}
+        hosts, self._hosts = self._hosts, {}
+        suspects, self._suspect = self._suspect, set()
         silent, self._silent_nodes = self._silent_nodes, set()
-        if self._ram is None or not suspects:
+        nodes = {n for ns in hosts.values() for n in ns}
+        up: set[str] | None = None
+        if self._ram is not None and nodes:
+            try:
+                up = self._ram.answering(nodes)
+            except Exception as e:  # the loss is still handled: slices avoided, stores asked again later
+                logger.debug("could not ask the RAM stores of %s: %s", sorted(hosts), e)
+        if up is None:
             self._lost_nodes |= silent
             return
-        try:
-            up = self._ram.answering({n for nodes in suspects.values() for n in nodes})
-        except Exception as e:  # an optimisation only
-            logger.debug("could not ask the RAM stores of %s: %s", sorted(suspects), e)
-            up = set()
-        self._lost_nodes |= silent - up  # a silent host whose store does not answer either: lost, stores and all
-        for name, nodes in suspects.items():
-            if set(nodes) <= up and not set(nodes) & self._lost_nodes:
+        self._lost_nodes |= nodes - up
+        for name, ns in hosts.items():
+            if set(ns) & self._lost_nodes:
+                self._avoid.add(name)
+            elif name in suspects:
                 self._avoid.discard(name)
                 logger.debug("elastic: %s stays in the count: a process died but every host of it is up", name)
 
