@@ -24,11 +24,13 @@ Figures:
     slice comes back ``outage_s`` later, a third of the fault-free run's wall
     time), as productive chip-seconds over the chip-seconds the cluster
     actually had (12 chips, 8 during the outage); the same schedule under plain
-    restart (``min_slices=num_slices``: waiting for the replacement); the
-    fault-free run's own fraction (the same elastic run without the fault:
-    start-up and compile are never productive, and on this 2-core machine its
-    warm spare processes' imports slow its steps as they slow the faulty
-    run's) is the ceiling the goal is judged against. Runs of ``STEPS`` steps.
+    restart (``min_slices=num_slices``: waiting for the replacement); and the
+    fault-free run's own fraction (the same elastic run without the fault),
+    the ceiling: start-up and compile are never productive, so the fraction
+    of a short run is bounded by its start-up, whatever the recovery. The
+    goal is judged on the faulty runs' own fraction (median of ``rounds``),
+    not relative to that ceiling. Runs of ``STEPS`` steps of 0.2 s: long
+    enough that the first start-up (~6 s) is not most of what is lost.
 
 ``python benchmarks/bench_elastic.py [rounds=N]`` prints one JSON line;
 ``make bench`` runs it in a subprocess and adds :func:`rows` to its table.
@@ -48,9 +50,10 @@ GOAL_GOODPUT = 0.9
 SHAPE = ("TPU-V4", "2x2x1")
 CHIPS_PER_SLICE = 4
 SLICES = 3
-# Steps of the goodput runs (0.2 s each): a resize costs a few seconds whatever the run's length, and a
-# fault-free run of 90 steps spends as long starting as stepping; 270 steps make it a run, still short.
-STEPS = 270
+# Steps of the goodput runs (0.2 s each): a resize costs a few seconds whatever the run's length, but so
+# does the first start-up (~6 s): at 270 steps the fault-free run itself reached only 0.89-0.91 of the
+# chip-s available; 600 steps (~2 min a run) make it a run, still short.
+STEPS = 600
 # The goodput runs' checkpoint cadence, as in production (and bench_train's): the RAM tier every step,
 # storage every 50. Figure (b) checkpoints to storage every step.
 PRODUCTION_CHECKPOINTS = {"ram_every_steps": 1, "storage_every_steps": 50}
@@ -420,7 +423,8 @@ def rows(out: dict[str, Any]) -> list[tuple[str, ...]]:
     el = g["elastic"]
     shrink = [e["next_step_s"] for e in el]
     med = statistics.median(shrink)
-    frac = statistics.median(e["fraction"] for e in el)
+    fr = [e["fraction"] for e in el]
+    frac = statistics.median(fr)
     clean, plain = g["clean"]["fraction"], g["plain"]["fraction"]
     exact, mesh = acc["exact"], acc["mesh"]
     return [
@@ -447,11 +451,11 @@ def rows(out: dict[str, Any]) -> list[tuple[str, ...]]:
         (
             f"elastic goodput, 1 of 3 slices lost for {statistics.median(e['outage_s'] for e in el):.0f} s of "
             f"{g['clean']['wall_s']:.0f} s: productive / available chip-s (median of {len(el)})",
-            f"{frac:.2f} ({frac / clean:.2f} of the fault-free run's {clean:.2f})",
+            f"{frac:.2f} ({min(fr):.2f}-{max(fr):.2f}; the fault-free run's {clean:.2f}: {frac / clean:.2f} of it)",
             f"plain restart (waits for the slice): {plain:.2f}",
             f"{frac / plain:.2f}x plain",
-            f">= {GOAL_GOODPUT:g} of fault-free",
-            met[frac / clean < GOAL_GOODPUT],
+            f">= {GOAL_GOODPUT:g} of the chip-s available",
+            met[frac < GOAL_GOODPUT],
         ),
     ]
 

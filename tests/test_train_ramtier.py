@@ -157,6 +157,23 @@ def test_a_late_buddy_keeps_the_owners_steps_from_its_own_on_but_never_more_than
         assert set(wanted) <= kept
 
 
+def test_a_late_pin_finds_its_step_in_every_store():
+    # The driver saw step 8 complete, then 9; its pins reach the stores at different times. Store B (rank 2's
+    # replica) still has pin 8 when rank 2's steps 9, 10 and 11 arrive, and gets pin 9 only afterwards: step 9
+    # must still be there, or no step is complete on every store once rank 2's own host is lost.
+    store = RamStore()
+    store.pin(1, 8)
+    for step in (8, 9, 10, 11):
+        store.put(2, 1, step, {"world_size": 3, "nbytes": 8, "leaves": {}})
+    store.pin(1, 9)
+    held = {s for o, _, s, _ in store.inventory()["entries"] if o == 2}
+    assert held == {9, 10, 11}
+    for step in (12, 13, 14, 15):
+        store.put(2, 1, step, {"world_size": 3, "nbytes": 8, "leaves": {}})
+    held = {s for o, _, s, _ in store.inventory()["entries"] if o == 2}
+    assert len(held) <= 4 and 9 in held  # bounded, the pinned step kept
+
+
 def test_a_store_keeps_the_step_every_rank_completed_while_the_pin_lags():
     # Host 0's store: rank 0's own steps and rank 1's replicas. Rank 1's replica of step 8 is stuck and the
     # driver has not pinned step 6 yet: rank 0 saves 8 and 10, and step 6 must stay (it is the complete one).
@@ -184,13 +201,13 @@ def test_store_copies_prunes_and_reports_bytes():
     store = RamStore()
     view = np.arange(4.0)
     view.setflags(write=False)
-    for step in (2, 4, 6):
+    for step in (2, 4, 6, 8, 10):
         store.put(0, 1, step, {"world_size": 1, "nbytes": 32, "leaves": {"w": view}})
-    assert [e[2] for e in store.inventory()["entries"]] == [4, 6]
+    assert [e[2] for e in store.inventory()["entries"]] == [4, 6, 8, 10]  # at most MAX_KEPT per owner
     assert store.get(0, 1, 6)["leaves"]["w"] is not view  # a copy, not a view of the object store
     store.pin(2, 8)  # attempt 2 completed step 8: attempt 1's entries are obsolete
     inv = store.inventory()
-    assert inv["entries"] == [] and inv["bytes"] == 0 and inv["peak_bytes"] == 64
+    assert inv["entries"] == [] and inv["bytes"] == 0 and inv["peak_bytes"] == 128
 
 
 def test_host_copy_then_ram_restore_is_bitwise_and_placed_like_the_target():

@@ -4,10 +4,13 @@ Example:
     >>> store_name("ab12", "f00d" * 14)
     'rayslice-ram/ab12/f00df00df00df00d'
     >>> s = RamStore()
-    >>> for step in (2, 4, 6):
+    >>> for step in (2, 4, 6, 8, 10):
     ...     _ = s.put(0, 1, step, {"world_size": 1, "leaves": {}, "nbytes": 8})
-    >>> [e[2] for e in s.inventory()["entries"]]  # nothing pinned yet: the two newest
-    [4, 6]
+    >>> [e[2] for e in s.inventory()["entries"]]  # nothing pinned yet: the four newest (MAX_KEPT)
+    [4, 6, 8, 10]
+    >>> _ = s.pin(1, 8)  # every rank completed step 8: older steps go
+    >>> [e[2] for e in s.inventory()["entries"]]
+    [8, 10]
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from rayslice.train.ramtier.choice import retained
+from rayslice.train.ramtier.choice import MAX_KEPT, retained
 
 __all__ = ["STORE_PREFIX", "RamStore", "store_name"]
 
@@ -101,7 +104,9 @@ class RamStore:
         entries = self._data.get(owner, {})
         others = [max(by_key, key=lambda e: (e[1], e[0])) for o, by_key in self._data.items() if o != owner and by_key]
         floor = min(others, key=lambda e: (e[1], e[0])) if others else None
-        keep = retained(entries, self._pin, floor=floor)
+        # The pin (the step the driver saw complete everywhere) reaches each store at its own time and lags the
+        # hosts: every step from it on may be the next one pinned, so a store keeps up to MAX_KEPT of them.
+        keep = retained(entries, self._pin, keep=MAX_KEPT, floor=floor)
         for key in [k for k in entries if k not in keep]:
             del entries[key]
         if not entries:
