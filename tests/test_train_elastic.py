@@ -293,11 +293,39 @@ def elastic_loop(config: dict) -> None:
         report(metrics, checkpoint={"total": total, "vec": vec, "train": it})
 
 
-@pytest.mark.ray
-def test_a_run_shrinks_onto_the_survivors_then_grows_back_reading_every_row_once(ray_cluster, tmp_path):
+def _two_slices_on_ram(name, tmp_path, rows, sleep_s, callback, failure_config):
+    """A trainer of :func:`elastic_loop` on 2 v4 2x2x1 slices (at least 1), the RAM tier every step."""
     import ray
 
-    from rayslice.train import FailureConfig, JaxTrainer, RunConfig, UserCallback
+    from rayslice.train import JaxTrainer, RunConfig
+
+    return JaxTrainer(
+        elastic_loop,
+        train_loop_config={"batch": 4, "sleep_s": sleep_s, "ids_dir": str(tmp_path / "ids")},
+        scaling_config=ScalingConfig(
+            topology="2x2x1",
+            accelerator_type="TPU-V4",
+            num_slices=2,
+            min_slices=1,
+            regrow_every_s=0,
+            reservation_timeout_s=60,
+        ),
+        datasets={"train": ray.data.range(rows)},
+        run_config=RunConfig(
+            name=name,
+            storage_path=str(tmp_path),
+            progress=False,
+            callbacks=[callback],
+            failure_config=failure_config,
+            checkpoint_config=CheckpointConfig(ram_every_steps=1, storage_every_steps=1000),
+        ),
+    )
+
+
+@pytest.mark.ray
+def test_a_run_shrinks_onto_the_survivors_then_grows_back_reading_every_row_once(ray_cluster, tmp_path):
+
+    from rayslice.train import FailureConfig, UserCallback
 
     from .conftest import live_groups
     from .test_train import _no_actors_left
@@ -321,29 +349,9 @@ def test_a_run_shrinks_onto_the_survivors_then_grows_back_reading_every_row_once
                 names.append(ray_cluster.add_slice("v4:2x2x1@elastic-c"))  # a node pool brings one back
 
     try:
-        result = JaxTrainer(
-            elastic_loop,
-            train_loop_config={"batch": 4, "sleep_s": 0.3, "ids_dir": str(ids_dir)},
-            scaling_config=ScalingConfig(
-                topology="2x2x1",
-                accelerator_type="TPU-V4",
-                num_slices=2,
-                min_slices=1,
-                regrow_every_s=0,
-                reservation_timeout_s=60,
-            ),
-            datasets={"train": ray.data.range(rows)},
-            run_config=RunConfig(
-                name="elastic",
-                storage_path=str(tmp_path),
-                progress=False,
-                callbacks=[Chaos()],
-                failure_config=FailureConfig(max_preemptions=2),
-                # The RAM tier every step (storage only for the grow's save): the shrink restores from RAM onto
-                # the smaller world, slice b's rank from its replica on slice a.
-                checkpoint_config=CheckpointConfig(ram_every_steps=1, storage_every_steps=1000),
-            ),
-        ).fit()
+        # The RAM tier every step (storage only for the grow's save): the shrink restores from RAM onto the
+        # smaller world, slice b's rank from its replica on slice a.
+        result = _two_slices_on_ram("elastic", tmp_path, rows, 0.3, Chaos(), FailureConfig(max_preemptions=2)).fit()
         assert result.error is None, result.error
         assert [(e.slices_before, e.slices_after, e.reason) for e in result.resizes] == [(2, 1, "lost"), (1, 2, "grow")]
         shrink = result.restores[0]
@@ -382,9 +390,7 @@ def test_a_process_that_dies_alone_costs_a_restart_on_the_same_size_not_a_shrink
     import os
     import signal
 
-    import ray
-
-    from rayslice.train import FailureConfig, JaxTrainer, RunConfig, UserCallback
+    from rayslice.train import FailureConfig, UserCallback
 
     from .conftest import live_groups
     from .test_train import _no_actors_left
@@ -401,26 +407,8 @@ def test_a_process_that_dies_alone_costs_a_restart_on_the_same_size_not_a_shrink
                 os.kill(metrics[1]["pid"], signal.SIGKILL)
 
     try:
-        result = JaxTrainer(
-            elastic_loop,
-            train_loop_config={"batch": 4, "sleep_s": 0.2, "ids_dir": str(ids_dir)},
-            scaling_config=ScalingConfig(
-                topology="2x2x1",
-                accelerator_type="TPU-V4",
-                num_slices=2,
-                min_slices=1,
-                regrow_every_s=0,
-                reservation_timeout_s=60,
-            ),
-            datasets={"train": ray.data.range(8 * 8)},
-            run_config=RunConfig(
-                name="alone",
-                storage_path=str(tmp_path),
-                progress=False,
-                callbacks=[KillOneProcess()],
-                failure_config=FailureConfig(max_preemptions=1, max_failures=1),
-                checkpoint_config=CheckpointConfig(ram_every_steps=1, storage_every_steps=1000),
-            ),
+        result = _two_slices_on_ram(
+            "alone", tmp_path, 8 * 8, 0.2, KillOneProcess(), FailureConfig(max_preemptions=1, max_failures=1)
         ).fit()
         assert result.error is None, result.error
         assert killed and result.attempts == 2
