@@ -205,7 +205,7 @@ class JaxTrainer:
         error: BaseException | None = None
         self._return_value = None
         self._avoid: set[str] = set()  # slices with a host that just stopped answering
-        # Avoided slices only because a process of theirs died (its host may be up): slice -> its hosts' nodes.
+        # Slices avoided only because a process of theirs died or went silent (their hosts may be up).
         self._suspect: set[str] = set()
         self._silent_nodes: set[str] = set()  # nodes of the hosts whose heartbeats stopped, among the suspects
         self._hosts: dict[str, list[str]] = {}  # the last attempt's slices -> their hosts' nodes

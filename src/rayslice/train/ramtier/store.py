@@ -102,11 +102,10 @@ class RamStore:
 
     def _prune(self, owner: int) -> None:
         entries = self._data.get(owner, {})
-        others = [max(by_key, key=lambda e: (e[1], e[0])) for o, by_key in self._data.items() if o != owner and by_key]
-        floor = min(others, key=lambda e: (e[1], e[0])) if others else None
         # The pin (the step the driver saw complete everywhere) reaches each store at its own time and lags the
-        # hosts: every step from it on may be the next one pinned, so a store keeps up to MAX_KEPT of them.
-        keep = retained(entries, self._pin, keep=MAX_KEPT, floor=floor)
+        # hosts: every step from it on may be the next one pinned, so a store keeps up to MAX_KEPT of them
+        # (which also covers a buddy's late replica: no floor from the other owners is needed).
+        keep = retained(entries, self._pin, keep=MAX_KEPT)
         for key in [k for k in entries if k not in keep]:
             del entries[key]
         if not entries:
