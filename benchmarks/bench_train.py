@@ -125,30 +125,62 @@ def compare(rounds: int = 3, steps: int = 5) -> dict[str, Any]:
     }
 
 
-def overhead(steps: int = 300) -> dict[str, float]:
+#: The step lengths the overhead goals are stated for (issue 16): (target ms, goal, steps per phase, pairs).
+OVERHEAD_CASES = ((3.5, GOAL_OVERHEAD, 30, 225), (50.0, 0.005, 4, 135))
+
+
+#: The overhead runs on a one-host slice: its one compute thread leaves the other core to the driver, Ray and
+#: the trainer's background work, as a real host's spare cores do (two hosts computing on two cores made
+#: bare-vs-bare rounds of the same step differ by +-10-40 %, hiding a few-percent cost).
+OVERHEAD_SHAPE = ("TPU-V4", "2x2x1")
+
+
+def overhead(target_ms: float = 3.5, phase_steps: int = 10, pairs: int = 240, warmup_s: float = 8.0) -> dict[str, Any]:
+    """The trainer's per-step cost on a step of about ``target_ms`` (a matmul sized on the hosts), in steady state.
+
+    See ``tests/train_loops.py::overhead_loop``: many short pairs of bare and
+    reported phases (alternating order), the median per-pair ratio, and the
+    same statistic for bare-vs-bare pairs (the method's noise floor). ``warmup_s``
+    of reported steps come first: the run's one-time work (its first drains,
+    and the warm spare processes the trainer starts on the free slice after
+    the first report) is start-up, not a per-step cost.
+    """
     from rayslice.train import JaxTrainer, RunConfig, ScalingConfig
 
     _ship_by_value()
     from tests import train_loops  # the same loop the tests use
 
+    config = {"target_ms": target_ms, "phase_steps": phase_steps, "pairs": pairs, "warmup_s": warmup_s}
     with tempfile.TemporaryDirectory(prefix="rs-bench-") as storage:
         r = JaxTrainer(
             train_loops.overhead_loop,
-            train_loop_config={"steps": steps},
-            scaling_config=ScalingConfig(topology="2x2x2", accelerator_type="TPU-V4"),
+            train_loop_config=config,
+            scaling_config=ScalingConfig(topology=OVERHEAD_SHAPE[1], accelerator_type=OVERHEAD_SHAPE[0]),
             run_config=RunConfig(name=f"overhead-{time.time_ns()}", storage_path=storage, progress=False),
         ).fit()
     assert r.error is None, r.error
-    m = r.metrics
-    return {
-        "steps": steps,
-        "bare_ms": 1000 * m["bare_s"] / steps,
-        "reported_ms": 1000 * m["reported_s"] / steps,
-        "overhead": m["overhead"],
-        "report_us": m["report_us"],
-        "gc_bare_s": m.get("gc_bare_s", 0.0),
-        "gc_reported_s": m.get("gc_reported_s", 0.0),
-    }
+    return {"target_ms": target_ms, **r.metrics}
+
+
+def overhead_row(o: dict[str, Any], goal: float) -> tuple[str, ...]:
+    """The table row of one :func:`overhead` measurement.
+
+    The verdict is given only when the method resolves the goal in this run: the bare-vs-bare median (the
+    noise floor) within half the goal; otherwise "noise" (neither met nor missed can be told here).
+    """
+    if abs(o["null"]) > goal / 2:
+        verdict = f"[yellow]noise[/yellow] (floor {100 * o['null']:+.1f}%)"
+    else:
+        verdict = "[green]yes[/green]" if o["overhead"] <= goal else "[red]NO[/red]"
+    return (
+        f"trainer per-step overhead, {o['bare_ms']:.1f} ms step ({o['pairs']} pairs of {o['phase_steps']}-step "
+        f"phases; report() {o['report_us']:.0f} us median, {o['report_mean_us']:.0f} us mean)",
+        f"{100 * o['overhead']:+.2f}% (IQR {100 * o['overhead_p25']:+.1f}..{100 * o['overhead_p75']:+.1f}%)",
+        f"bare vs bare: {100 * o['null']:+.2f}% (IQR {100 * o['null_p25']:+.1f}..{100 * o['null_p75']:+.1f}%)",
+        f"{100 * o['overhead']:+.2f}%",
+        f"<= {100 * goal:g}%",
+        verdict,
+    )
 
 
 def _one_preemption_run(name: str, accelerator_type: str, *, every: int, chaos: Any) -> Any:
@@ -272,9 +304,15 @@ def work_loop(config: dict) -> None:
     mesh = jax.make_mesh((jax.device_count(),), ("data",))
     repl, rows = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
     width, layers = 256, config.get("layers", 6)
-    keys = jax.random.split(jax.random.key(0), layers)
-    init = jax.jit(lambda k: [jax.random.normal(kk, (width, width)) * 0.05 for kk in k], out_shardings=repl)
-    state: dict[str, Any] = {"w": init(keys), "step": 0}
+
+    def initial_state() -> dict[str, Any]:
+        keys = jax.random.split(jax.random.key(0), layers)
+        init = jax.jit(lambda k: [jax.random.normal(kk, (width, width)) * 0.05 for kk in k], out_shardings=repl)
+        return {"w": init(keys), "step": 0}
+
+    # A restart restores into the state's shapes and shardings (Orbax's abstract target): no initial
+    # parameters are computed only to be overwritten (the usual restore pattern; the same for both trainers).
+    abstract = {"w": [jax.ShapeDtypeStruct((width, width), jnp.float32, sharding=repl)] * layers, "step": 0}
 
     def loss_fn(w, x):
         for m in w:
@@ -294,15 +332,17 @@ def work_loop(config: dict) -> None:
         if ckpt is not None:
             with ckpt.as_directory() as d:
                 saved = np.load(_os.path.join(d, "state.npz"))
-                state["w"] = [jax.device_put(saved[f"w{i}"], repl) for i in range(layers)]
+                state = {"w": [jax.device_put(saved[f"w{i}"], repl) for i in range(layers)]}
                 start = int(saved["step"])
     else:
         from rayslice.train import get_checkpoint
 
         ckpt = get_checkpoint()
         if ckpt is not None:
-            state = ckpt.restore(state)
+            state = ckpt.restore(abstract)
             start = int(state["step"])
+    if ckpt is None:
+        state = initial_state()
     attempt = config["attempt_of"]()
     local = np.ones((jax.local_device_count() * 8, width), np.float32) * 0.1
     x = jax.make_array_from_process_local_data(rows, local)
@@ -538,6 +578,7 @@ def production(
     from rayslice.sim import SimulatedCluster, SliceSpec
 
     _ship_by_value()
+    chosen = {p.strip() for p in parts.split(",")}  # ("ray" is not "rayslice")
     shape = ("TPU-V4", "2x2x2")
     out: dict[str, Any] = {"rounds": rounds, "steps": steps, "step_s": step_s, "kills": list(kills)}
     out["heartbeat_timeout_s"] = heartbeat_timeout_s
@@ -545,7 +586,7 @@ def production(
         with tempfile.TemporaryDirectory(prefix="rs-bench-") as storage:
             # 1. host lost -> next completed step (driver clock), and the restart's compile, `rounds` times.
             rec: list[dict[str, float]] = []
-            for _ in range(rounds if "recovery" in parts else 0):
+            for _ in range(rounds if "recovery" in chosen else 0):
                 marks = tempfile.mkdtemp(dir=storage)
                 _provision(sim, shape, 2)
                 # Killed at step 50 (5 s of steps): a run in its steady state, its spare slice's processes warm
@@ -581,7 +622,7 @@ def production(
             # Ray's runs each get RAY_LIMIT_X times rayslice's fault-free wall time (or 600 s) in a driver
             # process of their own; one that has not finished by then is stopped and reported as a bound.
             for who in ("rayslice", "ray"):
-                if who not in parts:
+                if who not in chosen:
                     continue
                 limit = RAY_LIMIT_X * out.get("rayslice", {}).get("clean", ray_limit_s / RAY_LIMIT_X)
                 walls: dict[str, float | None] = {}
@@ -682,3 +723,22 @@ if __name__ == "__main__":
         kinds = {"parts": str, "heartbeat_timeout_s": float, "ray_limit_s": float}
         kw: dict[str, Any] = {k: kinds.get(k, int)(v) for k, v in (a.split("=") for a in sys.argv[2:])}
         print(json.dumps(production(**kw)))
+        sys.exit(0)
+    if sys.argv[1:2] == ["overhead"]:  # the per-step overhead rows alone, on a cluster like make bench's
+        from rayslice.sim import SimulatedCluster, SliceSpec
+
+        kw = {k: float(v) for k, v in (a.split("=") for a in sys.argv[2:])}
+        spec = [SliceSpec("TPU-V4", "2x2x2", name="bench-a"), SliceSpec("TPU-V4", "2x2x2", name="bench-b")]
+        with SimulatedCluster([*spec, SliceSpec(*OVERHEAD_SHAPE, name="bench-c")]):
+            out = []
+            for target, _goal, n, pairs in OVERHEAD_CASES:
+                if kw.get("target_ms", target) == target:
+                    out.append(
+                        overhead(
+                            target,
+                            phase_steps=int(kw.get("phase_steps", n)),
+                            pairs=int(kw.get("pairs", pairs)),
+                            warmup_s=kw.get("warmup_s", 8.0),
+                        )
+                    )
+        print(json.dumps(out))

@@ -123,9 +123,23 @@ def test_warm_pool_validates_and_starts_empty():
 
     with pytest.raises(InvalidArgument, match="imports='jax'"):
         WarmPool(imports="jax")
+    with pytest.raises(InvalidArgument, match="optional_imports='optax'"):
+        WarmPool(optional_imports="optax")
     pool = WarmPool()
     assert len(pool) == 0 and pool.node_ids == [] and pool.take("no-such-node") is None
     pool.shutdown()  # nothing to kill: idempotent
+
+
+def test_warm_up_skips_optional_modules_that_are_not_installed_and_fails_on_required_ones():
+    import sys
+
+    from rayslice.gang import _HostProcess
+
+    proc = object.__new__(_HostProcess)  # the actor's body, without the actor (no SIGTERM handler installed here)
+    proc._held, proc._ctx = None, None
+    assert proc.warm_up(["json"], ["no_such_module_rayslice", "csv"]) >= 0 and "csv" in sys.modules
+    with pytest.raises(ModuleNotFoundError):
+        proc.warm_up(["no_such_module_rayslice"])
 
 
 def test_a_gang_adopts_warm_processes_on_its_hosts_and_they_form_the_mesh(ray_cluster):

@@ -237,6 +237,45 @@ def test_metrics_keep_their_json_types():
     assert type(plain["n"]) is int and type(plain["losses"][1]) is float
 
 
+def test_jax_metrics_become_python_values_of_their_own_type():
+    import jax.numpy as jnp
+
+    plain = _plain({"loss": jnp.float32(0.5), "n": jnp.int32(7), "v": jnp.arange(3), "b": jnp.bfloat16(2.0)})
+    assert plain == {"loss": 0.5, "n": 7, "v": [0, 1, 2], "b": 2.0}
+    assert type(plain["loss"]) is float and type(plain["n"]) is int and type(plain["v"][0]) is int
+
+
+def test_reports_reach_the_drain_in_order_plain_or_still_computing():
+    import dataclasses
+    import tempfile
+
+    import jax.numpy as jnp
+
+    from rayslice.train import context, worker
+
+    fields = {f.name for f in dataclasses.fields(context.TrainContext)}
+    kw = {
+        "world_rank": 0, "world_size": 1, "slice_index": 0, "num_slices": 1, "worker_id": 0, "hosts_per_slice": 1,
+        "local_device_count": 1, "experiment_name": "x", "run_path": "/tmp/x", "attempt": 1, "slice_name": "s",
+        "local_rank": 0, "run_id": "r",
+    }  # fmt: skip
+    ctx = context.TrainContext(**{k: v for k, v in kw.items() if k in fields})
+    info = {"checkpoint_dir": tempfile.mkdtemp(), "restore_step": None, "num_to_keep": None, "async_save": True}
+    session = worker._Session(ctx, info, {})
+    worker._SESSION = session
+    try:
+        worker.report({"loss": 1.0, "i": 1})  # plain already: handed over as they are
+        worker.report({"loss": jnp.float32(0.5) * 2, "i": 2})  # a device value: plain by the drain at the latest
+        with pytest.raises(InvalidArgument, match="string keys"):
+            worker.report({1: 2.0})
+        out = worker.drain_reports() + worker.drain_reports()
+        assert [(r["step"], r["metrics"]) for r in out] == [(1, {"loss": 1.0, "i": 1}), (2, {"loss": 1.0, "i": 2})]
+        assert session.raw == 0 and worker.drain_reports() == []
+    finally:
+        session.sampler.stop()
+        worker._SESSION = None
+
+
 # -- properties: bad values of every config field ------------------------------------
 _not_int = st.one_of(
     st.floats(allow_nan=True),

@@ -333,7 +333,7 @@ def test_a_run_shrinks_onto_the_survivors_then_grows_back_reading_every_row_once
     names = [ray_cluster.add_slice(f"v4:2x2x1@elastic-{x}") for x in "ab"]
     ids_dir = tmp_path / "ids"
     ids_dir.mkdir()
-    rows = 8 * 24  # 2 hosts x 4 rows per step: 24 steps at full size
+    rows = 8 * 40  # 2 hosts x 4 rows per step: 40 steps at full size (time for the grow on a slow day)
     by_step: dict[int, dict] = {}
     events: list[str] = []
 
@@ -453,7 +453,7 @@ def test_two_shrinks_and_a_grow_read_every_row_once_and_leak_nothing(ray_cluster
     names = [ray_cluster.add_slice(f"v4:2x2x1@twice-{x}") for x in "ab"]
     ids_dir = tmp_path / "ids"
     ids_dir.mkdir()
-    rows = 8 * 20
+    rows = 8 * 32  # time for the grow and the second loss on a slow day
     events: list[str] = []
     seen: list[tuple[int, int]] = []  # (slices, grad_accum_steps) of every completed step
 

@@ -130,34 +130,69 @@ def crash_mid_save_loop(config: dict) -> None:
 
 
 def overhead_loop(config: dict) -> None:
-    """Times the same jitted step with and without report() (the trainer's per-step cost)."""
+    """Times the same jitted step with and without report() (the trainer's per-step cost).
+
+    ``target_ms`` sizes the step: a chain of small matmuls (one compute
+    thread per host, as a device computing while its host waits) whose length
+    is calibrated on the hosts, all at once, until the bare step takes about
+    that long (``size`` fixes it instead). ``warmup_s`` of reported steps run before
+    the timed pairs, so the run's one-time work (the first drains, the warm
+    spare processes that the trainer starts on a free slice after the first
+    report) is not taken for a per-step cost.
+
+    The machine's speed drifts by tens of percent over seconds, so the cost is
+    measured in many short pairs of phases (``phase_steps`` bare steps and as
+    many reported ones, in alternating order, every host starting each pair
+    at once); the overhead is the median of the per-pair ratios. Every third
+    pair is bare against bare: the median of those is the method's own noise
+    floor, measured in the same run.
+    """
     import jax
     import jax.numpy as jnp
+    import numpy as np
+    from jax.experimental import multihost_utils
 
     from rayslice.train import report
 
-    size = config.get("size", 512)
-    x = jnp.ones((size, size), jnp.float32)
-    f = jax.jit(lambda a: (a @ a).mean())
-    f(x).block_until_ready()
-    n = config.get("steps", 200)
+    def step_of(size: int):
+        # ``size`` small dependent matmuls: one thread computes, as a device would while its host waits
+        # (a large matmul would spread over every core and make both hosts fight for them).
+        w = jnp.full((128, 128), 0.01, jnp.float32)
+        x = jnp.ones((32, 128), jnp.float32)
+        f = jax.jit(lambda a: jax.lax.fori_loop(0, size, lambda _, a: jnp.tanh(a @ w), a).mean())
+        f(x).block_until_ready()
+        return f, x
 
-    inside = []
-    gc_s = {False: 0.0, True: 0.0}  # the garbage collector's time in each kind of round
-    gc_t0 = [0.0]
-    phase = [False]
-
-    def on_gc(stage: str, info: dict) -> None:
-        if stage == "start":
-            gc_t0[0] = time.perf_counter()
-        else:
-            gc_s[phase[0]] += time.perf_counter() - gc_t0[0]
-
-    gc.callbacks.append(on_gc)
-
-    def timed(with_report: bool) -> float:
-        phase[0] = with_report
+    def bare_ms(f, x, n: int) -> float:
         t0 = time.perf_counter()
+        for _ in range(n):
+            f(x).block_until_ready()
+        return 1000 * (time.perf_counter() - t0) / n
+
+    def together(tag: str) -> None:  # every host starts the next phase at once (they share the machine's cores)
+        multihost_utils.sync_global_devices(tag)
+
+    size = config.get("size")
+    if size is None:  # calibrate, every host at once: the step time grows with the number of matmuls
+        size = 100
+        for k in range(3):
+            f, x = step_of(size)
+            together(f"calibrate-{k}")
+            ms = sorted(bare_ms(f, x, max(3, int(100 / max(bare_ms(f, x, 3), 0.05)))) for _ in range(5))[2]
+            size = max(1, round(size * config.get("target_ms", 3.5) / ms))
+        size = int(multihost_utils.broadcast_one_to_all(np.int32(size)))  # the same step on every host
+    f, x = step_of(size)
+    warm_until = time.perf_counter() + config.get("warmup_s", 0.0)
+    i = 0
+    while time.perf_counter() < warm_until:
+        report({"v": f(x), "i": i})
+        i += 1
+
+    n = config.get("phase_steps", 10)
+    inside: list[float] = []
+
+    def timed(with_report: bool) -> tuple[float, float]:
+        c0, t0 = time.process_time(), time.perf_counter()
         for i in range(n):
             v = f(x)
             v.block_until_ready()
@@ -165,27 +200,52 @@ def overhead_loop(config: dict) -> None:
                 t1 = time.perf_counter()
                 report({"v": v, "i": i})
                 inside.append(time.perf_counter() - t1)
-        return time.perf_counter() - t0
+        return time.perf_counter() - t0, time.process_time() - c0
 
-    # Interleaved rounds; the median of per-round ratios (noise hits both alike).
-    ratios, bare, reported = [], [], []
-    for _ in range(config.get("rounds", 9)):
-        b, r = timed(False), timed(True)
-        bare.append(b)
-        reported.append(r)
-        ratios.append(r / b)
-    ratios.sort()
+    ratios: list[float] = []  # reported / bare, per pair
+    nulls: list[float] = []  # bare / bare, per pair
+    bare_s: list[float] = []
+    cpu: dict[bool, list[float]] = {False: [], True: []}
+    gc0 = gc.get_stats()
+    for k in range(config.get("pairs", 150)):
+        null = k % 3 == 2
+        together(f"pair-{k}")
+        order = (False, not null) if k % 2 == 0 else (not null, False)
+        (t_a, c_a), (t_b, c_b) = timed(order[0]), timed(order[1])
+        times = dict(zip(order, (t_a, t_b))) if not null else {}
+        if null:
+            nulls.append(t_b / t_a if k % 2 == 0 else t_a / t_b)
+            continue
+        ratios.append(times[True] / times[False])
+        bare_s.append(times[False])
+        for kind, c in zip(order, (c_a, c_b)):
+            cpu[kind].append(c)
+    collections = sum(g["collections"] for g in gc.get_stats()) - sum(g["collections"] for g in gc0)
+
+    def med(v: list[float]) -> float:
+        return sorted(v)[len(v) // 2]
+
+    def q(v: list[float], p: float) -> float:
+        return sorted(v)[int(p * (len(v) - 1))]
+
     report(
         {
-            "bare_s": sorted(bare)[len(bare) // 2],
-            "reported_s": sorted(reported)[len(reported) // 2],
-            "overhead": ratios[len(ratios) // 2] - 1,
-            "report_us": 1e6 * sorted(inside)[len(inside) // 2],
-            "gc_bare_s": gc_s[False],
-            "gc_reported_s": gc_s[True],
+            "size": size,
+            "phase_steps": n,
+            "pairs": len(ratios),
+            "bare_ms": 1000 * med(bare_s) / n,
+            "overhead": med(ratios) - 1,
+            "overhead_p25": q(ratios, 0.25) - 1,
+            "overhead_p75": q(ratios, 0.75) - 1,
+            "null": med(nulls) - 1,
+            "null_p25": q(nulls, 0.25) - 1,
+            "null_p75": q(nulls, 0.75) - 1,
+            "report_us": 1e6 * med(inside),
+            "report_mean_us": 1e6 * sum(inside) / len(inside),
+            "cpu_added_us": 1e6 * (sum(cpu[True]) - sum(cpu[False])) / (n * len(ratios)),
+            "gc_collections": collections,
         }
     )
-    gc.callbacks.remove(on_gc)
 
 
 def busy_loop(config: dict) -> None:

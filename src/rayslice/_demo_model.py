@@ -54,8 +54,13 @@ def data_mesh() -> Any:
     return jax.make_mesh((jax.device_count(),), ("data",), axis_types=(AxisType.Auto,))
 
 
-def init_state(mesh: Any, lr: float) -> tuple[Any, Any, dict[str, Any]]:
-    """(model, optimizer, state) with parameters replicated over ``mesh``."""
+def init_state(mesh: Any, lr: float, *, abstract: bool = False) -> tuple[Any, Any, dict[str, Any]]:
+    """(model, optimizer, state) with parameters replicated over ``mesh``.
+
+    ``abstract=True``: the state's shapes, dtypes and shardings only
+    (``jax.ShapeDtypeStruct`` leaves), the target a restore fills: nothing is
+    computed only to be overwritten by the checkpoint.
+    """
     import jax
     import jax.numpy as jnp
     import optax
@@ -63,8 +68,10 @@ def init_state(mesh: Any, lr: float) -> tuple[Any, Any, dict[str, Any]]:
 
     model, tx = _model(), optax.adam(lr)
     repl = NamedSharding(mesh, PartitionSpec())
-    params = jax.jit(model.init, out_shardings=repl)(jax.random.key(0), jnp.zeros((1, FEATURES)))
-    return model, tx, {"params": params, "opt": jax.jit(tx.init, out_shardings=repl)(params)}
+    init, opt_init = jax.jit(model.init, out_shardings=repl), jax.jit(tx.init, out_shardings=repl)
+    run = jax.eval_shape if abstract else (lambda f, *a: f(*a))
+    params = run(init, jax.random.key(0), jnp.zeros((1, FEATURES)))
+    return model, tx, {"params": params, "opt": run(opt_init, params)}
 
 
 def train_loop(config: dict[str, Any]) -> None:
@@ -82,8 +89,9 @@ def train_loop(config: dict[str, Any]) -> None:
     from rayslice.train import get_checkpoint, get_dataset_shard, report
 
     mesh = data_mesh()
-    model, tx, state = init_state(mesh, config["lr"])
     ckpt, data_state = get_checkpoint(), None
+    # A restart restores into the state's abstract shapes and shardings (no initial parameters computed).
+    model, tx, state = init_state(mesh, config["lr"], abstract=ckpt is not None)
     if ckpt is not None:
         state, data_state = ckpt.restore(state), ckpt.data_state("data")
 
@@ -116,7 +124,7 @@ def load_params(checkpoint_path: str, lr: float = 1e-3) -> Any:
     from rayslice.train import Checkpoint
 
     mesh = data_mesh()
-    model, _, target = init_state(mesh, lr)
+    model, _, target = init_state(mesh, lr, abstract=True)
     state = Checkpoint(checkpoint_path).restore(target)  # the step is read from the step directory
     return model, state["params"]
 

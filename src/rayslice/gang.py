@@ -180,14 +180,20 @@ class _HostProcess:
         self._ctx = ctx
         return True
 
-    def warm_up(self, imports: Sequence[str]) -> float:
-        """Imports ``imports`` (e.g. ``"jax"``) without starting any JAX backend; returns the seconds taken."""
+    def warm_up(self, imports: Sequence[str], optional: Sequence[str] = ()) -> float:
+        """Imports ``imports`` (e.g. ``"jax"``), and ``optional`` where installed, without starting any JAX
+        backend; returns the seconds taken."""
         import importlib
         import time
 
         t0 = time.perf_counter()
         for name in imports:
             importlib.import_module(name)
+        for name in optional:
+            try:
+                importlib.import_module(name)
+            except ModuleNotFoundError:  # not installed here: nothing to warm
+                pass
         return time.perf_counter() - t0
 
     def bind_coordinator_port(self) -> int:

@@ -50,6 +50,9 @@ class WarmPool:
         imports: Modules every warm process imports at once (e.g. ``"jax"``,
             ``"orbax.checkpoint"``); importing must not start a JAX backend.
         actor_options: The Ray actor options of the gangs that will adopt them.
+        optional_imports: Modules imported too where they are installed
+            (e.g. ``"flax.linen"``, ``"optax"``); one that is not installed
+            is skipped, the process stays usable.
 
     Example:
         >>> pool = WarmPool(imports=("jax",), actor_options={"max_concurrency": 2})
@@ -63,10 +66,17 @@ class WarmPool:
         >>> pool.shutdown()
     """
 
-    def __init__(self, imports: Sequence[str] = WARM_IMPORTS, actor_options: dict[str, Any] | None = None) -> None:
-        if isinstance(imports, str) or not all(isinstance(m, str) and m for m in imports):
-            raise InvalidArgument(f"imports={imports!r} is not valid; expected a list of module names, e.g. ['jax']")
+    def __init__(
+        self,
+        imports: Sequence[str] = WARM_IMPORTS,
+        actor_options: dict[str, Any] | None = None,
+        optional_imports: Sequence[str] = (),
+    ) -> None:
+        for name, value in (("imports", imports), ("optional_imports", optional_imports)):
+            if isinstance(value, str) or not all(isinstance(m, str) and m for m in value):
+                raise InvalidArgument(f"{name}={value!r} is not valid; expected a list of module names, e.g. ['jax']")
         self.imports = tuple(imports)
+        self.optional_imports = tuple(optional_imports)
         self.actor_options = dict(actor_options or {})
         self._procs: dict[str, tuple[Any, Any]] = {}  # node id -> (actor, ref of its warm_up call)
 
@@ -94,7 +104,7 @@ class WarmPool:
                 max_task_retries=0,
                 **options,
             ).remote(None, None)
-            self._procs[node_id] = (actor, actor.warm_up.remote(self.imports))
+            self._procs[node_id] = (actor, actor.warm_up.remote(self.imports, self.optional_imports))
             started += 1
         return started
 

@@ -63,8 +63,21 @@ from rayslice.warm import WarmPool, spare_hosts
 
 logger = logging.getLogger(__name__)
 _POLL_S = 0.2
-# What a warm spare process imports ahead of an attempt: JAX, Orbax (restores) and the worker side.
-_WARM_IMPORTS = ("jax", "orbax.checkpoint", "rayslice.train.worker")
+_QUICK_POLL_S = 0.05  # the driver's poll while a host's heartbeat is overdue
+#: The goodput gauges and the live status line are refreshed at most this often while steps flow.
+_SHOW_EVERY_S = 0.5
+# What a warm spare process imports ahead of an attempt: JAX, Orbax (restores), the worker side and what
+# it starts (metrics, notices, the RAM tier, the feeder); and, where installed, the usual JAX training libraries.
+_WARM_IMPORTS = (
+    "jax",
+    "orbax.checkpoint",
+    "rayslice.train.worker",
+    "rayslice.metrics",
+    "rayslice.train.notice",
+    "rayslice.train.ramtier",
+    "rayslice.data",
+)
+_WARM_OPTIONAL = ("flax.linen", "optax")
 _WARM_REFRESH_S = 5.0  # how often a running attempt looks for new spare hosts to warm
 _ELASTIC_TRY_S = 10.0  # how long an elastic reservation waits for the size it counted before counting again
 _GROW_WARM_WAIT_S = 30.0  # the longest an elastic grow waits for warm processes on the new hosts
@@ -346,7 +359,7 @@ class JaxTrainer:
         if rc.worker_runtime_env:
             options["runtime_env"] = dict(rc.worker_runtime_env)
         if self._fc.warm_spares and self._warm is None:
-            self._warm = WarmPool(_WARM_IMPORTS, options)
+            self._warm = WarmPool(_WARM_IMPORTS, options, optional_imports=_WARM_OPTIONAL)
         gang = SliceGang(
             spg,
             init_timeout_s=sc.init_timeout_s,
@@ -451,6 +464,7 @@ class JaxTrainer:
         draining: dict[int, Any] = {}
         # Hosts that stopped after the emergency save of a preemption notice.
         noticed: dict[int, dict[str, Any]] = {}
+        shown_next = [0.0]  # when the goodput gauges and the status line are next refreshed
 
         def where(rank: int) -> str:
             hc = gang.contexts[rank]
@@ -513,15 +527,22 @@ class JaxTrainer:
                     self._elastic.on_step()
                 tracker.on_reports(rank0)
                 history.extend(rank0)
-                snap = tracker.snapshot()
-                self._exporter.export(snap.seconds, snap.fraction)
-                latest = rank0[-1]
-                shown = ", ".join(
-                    f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
-                    for k, v in list(latest["metrics"].items())[:4]
-                )
-                size = f"{world // gang.contexts[0].hosts_per_slice}/{self.scaling.num_slices} slices, " if el else ""
-                self._status(status, f"step {latest['step']} | {shown} | {size}attempt {attempt}, restarts {restarts}")
+                if last >= shown_next[0]:  # the gauges and the status line, a few times a second at most
+                    shown_next[0] = last + _SHOW_EVERY_S
+                    snap = tracker.snapshot()
+                    self._exporter.export(snap.seconds, snap.fraction)
+                    if status:
+                        latest = rank0[-1]
+                        shown = ", ".join(
+                            f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+                            for k, v in list(latest["metrics"].items())[:4]
+                        )
+                        size = (
+                            f"{world // gang.contexts[0].hosts_per_slice}/{self.scaling.num_slices} slices, "
+                            if el
+                            else ""
+                        )
+                        status.update(f"step {latest['step']} | {shown} | {size}attempt {attempt}, restarts {restarts}")
             for step in sorted(s for s in steps if len(steps[s]) == world):
                 complete(step, steps.pop(step))
             if error is not None:
@@ -578,7 +599,7 @@ class JaxTrainer:
                         if out.error is not None:
                             out.error.__cause__ = e
                         return out
-                    time.sleep(period_for(timeout))
+                    time.sleep(_QUICK_POLL_S)
                 lost_ranks = gang.lost_hosts(timeout_s=1.0)
                 self._lost_nodes.update(gang.contexts[r].node_id for r in lost_ranks)
                 if lost_ranks:
@@ -619,15 +640,17 @@ class JaxTrainer:
             salvage(frozenset(verdict.ranks) if verdict.kind == "lost" else frozenset())
             return RunOutcome(outcome, error, time.monotonic() - t0, time.monotonic() - last, verdict.ranks[0])
 
+        poll = _POLL_S
+        period = period_for(fc.heartbeat_timeout_s)
         while True:
             try:
-                drain(timeout=0.1)
+                drain(timeout=min(0.1, poll))
             except _CallbackFailed:
                 raise
             except Exception as e:  # a host gone: it was lost
                 self._detection_s = silent()
                 return RunOutcome.of(e, elapsed_s=time.monotonic() - t0, lost_s=time.monotonic() - last)
-            ready, _ = ray.wait(list(pending.values()), num_returns=len(pending), timeout=_POLL_S)
+            ready, _ = ray.wait(list(pending.values()), num_returns=len(pending), timeout=poll)
             for rank, ref in list(pending.items()):
                 if ref not in ready:
                     continue
@@ -659,6 +682,10 @@ class JaxTrainer:
             verdict = monitor.check()
             if verdict is not None:
                 return detected(verdict)
+            # A host's beat is overdue: look again soon, so that a loss is declared close to
+            # heartbeat_timeout_s after its last beat rather than up to a poll period later.
+            quiet = max((monitor.silent_s(r) for r in range(world) if r not in monitor.finished), default=0.0)
+            poll = _QUICK_POLL_S if quiet > 1.5 * period else _POLL_S
             if time.monotonic() >= warm_next and history and history[-1].get("attempt") == attempt:
                 # Once this attempt has compiled (its first report), so that imports on the spare hosts do not
                 # compete with it; again every few seconds: spare slices come and go (a node pool replaces one).

@@ -29,6 +29,8 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import numpy as np
+
 from rayslice._validate import fail
 from rayslice.train import context as _context
 from rayslice.train.checkpoint import (
@@ -96,6 +98,7 @@ class _Session:
         self.lock = threading.Lock()
         self.last_gather: str | None = None
         self.reports: list[dict[str, Any]] = []
+        self.raw = 0  # how many of those may still hold device values (0: all plain Python)
         # Metrics of the steps not yet computed when reported, oldest first (at most a few):
         # report() checks these, never every report since the last drain.
         self.in_flight: list[dict[str, Any]] = []
@@ -153,10 +156,19 @@ def get_dataset_shard(name: str) -> Any:
     return shards[name]
 
 
+#: Metric values that are plain Python already (checked by exact type first: report() is on the step's path).
+_PLAIN_TYPES = frozenset({bool, int, float, str, type(None)})
+
+
 def _plain(v: Any) -> Any:
     """A metric value as plain Python, structure kept: arrays become lists, scalars Python numbers."""
-    if isinstance(v, bool | int | float | str) or v is None:
+    if type(v) in _PLAIN_TYPES or isinstance(v, bool | int | float | str) or v is None:
         return v
+    if type(v) in _jax_array_types():  # the usual metric: a computed jax scalar
+        try:
+            return np.asarray(v).tolist()  # its host buffer as numpy first: a third of Array.tolist()'s cost
+        except Exception:
+            return v
     if isinstance(v, Mapping):
         return {k: _plain(x) for k, x in v.items()}
     if isinstance(v, list | tuple):
@@ -168,6 +180,22 @@ def _plain(v: Any) -> Any:
         except Exception:
             return v
     return v  # anything else travels as itself (pickled by Ray)
+
+
+_JAX_ARRAY_TYPES: frozenset[type] = frozenset()
+
+
+def _jax_array_types() -> frozenset[type]:
+    """The concrete types of ``jax.Array`` values (empty while JAX is not imported: nothing can be one)."""
+    global _JAX_ARRAY_TYPES
+    if not _JAX_ARRAY_TYPES:
+        import sys
+
+        if "jax" in sys.modules:
+            from jax._src.array import ArrayImpl
+
+            _JAX_ARRAY_TYPES = frozenset({ArrayImpl})
+    return _JAX_ARRAY_TYPES
 
 
 def _json_safe(v: Any) -> Any:
@@ -189,6 +217,8 @@ def _wait_until_ready(v: Any) -> None:
 
 
 def _is_ready(v: Any) -> bool:
+    if type(v) in _PLAIN_TYPES:
+        return True
     if isinstance(v, Mapping):
         return all(_is_ready(x) for x in v.values())
     if isinstance(v, list | tuple):
@@ -322,14 +352,18 @@ def report(metrics: Mapping[str, Any], checkpoint: Any = None) -> None:
             all hosts). In a top-level dict, data iterators (anything with
             ``state()``, e.g. a :class:`~rayslice.data.JaxBatchIterator`) are
             saved as their per-host state for :meth:`Checkpoint.data_state`.
+            A tree is saved on the steps ``CheckpointConfig`` picks (its RAM
+            and storage cadences, or a preemption notice's step); handed over
+            on any other step it costs nothing, so a loop may pass its state
+            every step and let the config decide.
 
     Raises:
         InvalidArgument: bad metrics, a missing checkpoint directory, a leaf
             Orbax cannot save (named by its path), or a missing score metric.
     """
     s = _session()
-    if not isinstance(metrics, Mapping) or not all(isinstance(k, str) for k in metrics):
-        raise fail("metrics", metrics, "a dict with string keys", got_type=not isinstance(metrics, Mapping))
+    if not isinstance(metrics, Mapping):
+        raise fail("metrics", metrics, "a dict with string keys", got_type=True)
     now = time.perf_counter()
     step = s.step + 1
     # Computed values become plain Python now (cheap, and no device buffer is
@@ -338,7 +372,11 @@ def report(metrics: Mapping[str, Any], checkpoint: Any = None) -> None:
     clean: dict[str, Any] = {}
     computing = False
     for k, v in metrics.items():
-        if _is_ready(v):
+        if type(k) is not str and not isinstance(k, str):
+            raise fail("metrics", metrics, "a dict with string keys")
+        if type(v) in _PLAIN_TYPES:
+            clean[k] = v
+        elif _is_ready(v):
             clean[k] = _plain(v)
         else:
             clean[k], computing = v, True
@@ -355,8 +393,19 @@ def report(metrics: Mapping[str, Any], checkpoint: Any = None) -> None:
             "save (pass checkpoint=... when rayslice.train.save_requested() is True)",
             step,
         )
-    if checkpoint is not None:
-        clean = {k: _plain(v) for k, v in clean.items()}
+    # What this step saves: a directory checkpoint always; a tree only on a RAM-tier or storage step, or
+    # at the agreed step of a notice (the same decision on every host: the state gather and Orbax's save
+    # are collectives). A tree handed over on any other step costs nothing: not even the wait for its
+    # metrics, which stay with the drain like those of a report without a checkpoint.
+    is_directory = isinstance(checkpoint, Checkpoint)
+    to_ram = to_storage = False
+    if checkpoint is not None and not is_directory:
+        to_ram = _ram_step(s, step)
+        to_storage = emergency or _storage_step(s, step)
+    saving = is_directory or to_ram or to_storage
+    if saving:
+        clean = {k: _plain(v) for k, v in clean.items()}  # the checkpoint's metrics: computed now
+        computing = False
         score = s.info.get("score_attribute")
         if score is not None and not isinstance(clean.get(score), int | float):
             raise fail(
@@ -364,34 +413,29 @@ def report(metrics: Mapping[str, Any], checkpoint: Any = None) -> None:
                 clean.get(score),
                 "a number reported with every checkpoint (CheckpointConfig.checkpoint_score_attribute)",
             )
-        if isinstance(checkpoint, Checkpoint):
-            try:
-                stall = write_pending(s.checkpoint_dir, step, s.ctx.attempt, checkpoint.path)
-            except FileNotFoundError:
-                raise fail(
-                    "report(checkpoint=...)", checkpoint, "Checkpoint.from_directory(d) of an existing directory"
-                ) from None
-            kind = "directory"
-        else:
-            # The same decision on every host (the step, the config, the agreed notice): the
-            # state gather and Orbax's save are collectives.
-            to_ram = _ram_step(s, step)
-            to_storage = emergency or _storage_step(s, step)
-            if to_ram or to_storage:
-                arrays, states = split_data_iterators(checkpoint)
-                arrays = _checkpointable(arrays)
-                meta = {
-                    "step": step,
-                    "metrics": _json_safe(clean),
-                    "data_states": _gather_states(s, step, states),
-                    "world_size": s.ctx.world_size,
-                }
-                if to_ram:
-                    stall += s.ram.save(step, arrays, meta)
-                    ram_saved = step
-                if to_storage:
-                    stall += s.writer.save(step, arrays, meta)
-                    kind = "arrays"
+    if is_directory:
+        try:
+            stall = write_pending(s.checkpoint_dir, step, s.ctx.attempt, checkpoint.path)
+        except FileNotFoundError:
+            raise fail(
+                "report(checkpoint=...)", checkpoint, "Checkpoint.from_directory(d) of an existing directory"
+            ) from None
+        kind = "directory"
+    elif saving:
+        arrays, states = split_data_iterators(checkpoint)
+        arrays = _checkpointable(arrays)
+        meta = {
+            "step": step,
+            "metrics": _json_safe(clean),
+            "data_states": _gather_states(s, step, states),
+            "world_size": s.ctx.world_size,
+        }
+        if to_ram:
+            stall += s.ram.save(step, arrays, meta)
+            ram_saved = step
+        if to_storage:
+            stall += s.writer.save(step, arrays, meta)
+            kind = "arrays"
     end = time.perf_counter()
     s.sampler.record_step(max(0.0, now - s.last))
     # step_s covers the whole interval (the save included), so work = step_s - stall_s.
@@ -426,8 +470,9 @@ def report(metrics: Mapping[str, Any], checkpoint: Any = None) -> None:
     s.last = end
     with s.lock:
         s.reports.append(record)
+        s.raw += computing
     in_flight = s.in_flight
-    if computing and checkpoint is None:  # (a checkpoint's metrics were made plain: computed)
+    if computing:
         in_flight.append(clean)
     while in_flight and _is_ready(in_flight[0]):
         in_flight.pop(0)
@@ -449,6 +494,9 @@ def drain_reports() -> list[dict[str, Any]]:
     if s is None:
         return []
     with s.lock:
+        if not s.raw:  # every metric was made plain by report(): nothing to wait for or convert
+            out, s.reports = s.reports, []
+            return out
         # Only reports whose device values are computed: reading one that is
         # not would block this thread behind the step (forever, if a peer host
         # died mid-collective). The rest wait for the next drain, in order.
@@ -458,6 +506,7 @@ def drain_reports() -> list[dict[str, Any]]:
                 break
             ready += 1
         out, s.reports = s.reports[:ready], s.reports[ready:]
+        s.raw = len(s.reports)  # at most this many of those left hold device values
     for r in out:
         r["metrics"] = {k: _plain(v) for k, v in r["metrics"].items()}
     return out
