@@ -464,7 +464,7 @@ class JaxTrainer:
         draining: dict[int, Any] = {}
         # Hosts that stopped after the emergency save of a preemption notice.
         noticed: dict[int, dict[str, Any]] = {}
-        shown_next = [0.0]  # when the goodput gauges and the status line are next refreshed
+        shown_next = 0.0  # when the goodput gauges and the status line are next refreshed
 
         def where(rank: int) -> str:
             hc = gang.contexts[rank]
@@ -496,7 +496,7 @@ class JaxTrainer:
                     raise _CallbackFailed(e) from e
 
         def drain(timeout: float, skip: frozenset[int] = frozenset()) -> None:
-            nonlocal last
+            nonlocal last, shown_next
             for rank, a in enumerate(gang.actors):
                 if rank not in draining and rank not in skip:
                     draining[rank] = a.call.remote(drain_reports, (), {})
@@ -527,8 +527,8 @@ class JaxTrainer:
                     self._elastic.on_step()
                 tracker.on_reports(rank0)
                 history.extend(rank0)
-                if last >= shown_next[0]:  # the gauges and the status line, a few times a second at most
-                    shown_next[0] = last + _SHOW_EVERY_S
+                if last >= shown_next:  # the gauges and the status line, a few times a second at most
+                    shown_next = last + _SHOW_EVERY_S
                     snap = tracker.snapshot()
                     self._exporter.export(snap.seconds, snap.fraction)
                     if status:
@@ -542,7 +542,9 @@ class JaxTrainer:
                             if el
                             else ""
                         )
-                        status.update(f"step {latest['step']} | {shown} | {size}attempt {attempt}, restarts {restarts}")
+                        self._status(
+                            status, f"step {latest['step']} | {shown} | {size}attempt {attempt}, restarts {restarts}"
+                        )
             for step in sorted(s for s in steps if len(steps[s]) == world):
                 complete(step, steps.pop(step))
             if error is not None:
@@ -560,6 +562,10 @@ class JaxTrainer:
             if silent:
                 self._silent_nodes.add(gang.contexts[rank].node_id)
 
+        def quietest() -> float:
+            # How long the quietest host still running has been silent (driver clock).
+            return max((monitor.silent_s(r) for r in range(world) if r not in monitor.finished), default=0.0)
+
         def silent() -> float:
             # How long the quietest host had been silent: the detection delay of a loss Ray reported.
             # Read first, so that hosts still alive count as fresh even if the driver was busy
@@ -568,7 +574,7 @@ class JaxTrainer:
                 monitor.observe(read_beats(keys))
             except Exception:
                 pass
-            quiet = max((monitor.silent_s(r) for r in range(world) if r not in monitor.finished), default=0.0)
+            quiet = quietest()
             return quiet if quiet > 2 * period_for(fc.heartbeat_timeout_s) else 0.0
 
         def salvage(skip: frozenset[int]) -> None:
@@ -684,8 +690,7 @@ class JaxTrainer:
                 return detected(verdict)
             # A host's beat is overdue: look again soon, so that a loss is declared close to
             # heartbeat_timeout_s after its last beat rather than up to a poll period later.
-            quiet = max((monitor.silent_s(r) for r in range(world) if r not in monitor.finished), default=0.0)
-            poll = _QUICK_POLL_S if quiet > 1.5 * period else _POLL_S
+            poll = _QUICK_POLL_S if quietest() > 1.5 * period else _POLL_S
             if time.monotonic() >= warm_next and history and history[-1].get("attempt") == attempt:
                 # Once this attempt has compiled (its first report), so that imports on the spare hosts do not
                 # compete with it; again every few seconds: spare slices come and go (a node pool replaces one).
