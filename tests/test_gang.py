@@ -131,15 +131,21 @@ def test_warm_pool_validates_and_starts_empty():
 
 
 def test_warm_up_skips_optional_modules_that_are_not_installed_and_fails_on_required_ones():
+    import gc
     import sys
 
     from rayslice.gang import _HostProcess
 
     proc = object.__new__(_HostProcess)  # the actor's body, without the actor (no SIGTERM handler installed here)
     proc._held, proc._ctx = None, None
-    assert proc.warm_up(["json"], ["no_such_module_rayslice", "csv"]) >= 0 and "csv" in sys.modules
-    with pytest.raises(ModuleNotFoundError):
-        proc.warm_up(["no_such_module_rayslice"])
+    gc.unfreeze()
+    try:
+        assert proc.warm_up(["json"], ["no_such_module_rayslice", "csv"]) >= 0 and "csv" in sys.modules
+        assert gc.get_freeze_count() > 0  # the imported modules are out of full collections' reach
+        with pytest.raises(ModuleNotFoundError):
+            proc.warm_up(["no_such_module_rayslice"])
+    finally:
+        gc.unfreeze()
 
 
 def test_a_gang_adopts_warm_processes_on_its_hosts_and_they_form_the_mesh(ray_cluster):

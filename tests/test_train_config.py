@@ -276,6 +276,45 @@ def test_reports_reach_the_drain_in_order_plain_or_still_computing():
         worker._SESSION = None
 
 
+def test_the_first_report_and_first_save_freeze_the_heap_out_of_full_collections():
+    # A full collection of JAX's and Orbax's objects held the GIL for over a second on a busy machine:
+    # the heartbeat thread stalled and the driver took a live host for lost.
+    import dataclasses
+    import gc
+    import tempfile
+
+    from rayslice.train import context, worker
+
+    fields = {f.name for f in dataclasses.fields(context.TrainContext)}
+    kw = {
+        "world_rank": 0, "world_size": 1, "slice_index": 0, "num_slices": 1, "worker_id": 0, "hosts_per_slice": 1,
+        "local_device_count": 1, "experiment_name": "x", "run_path": "/tmp/x", "attempt": 1, "slice_name": "s",
+        "local_rank": 0, "run_id": "r",
+    }  # fmt: skip
+    ctx = context.TrainContext(**{k: v for k, v in kw.items() if k in fields})
+    ckdir = tempfile.mkdtemp()
+    info = {"checkpoint_dir": ckdir, "restore_step": None, "num_to_keep": None, "async_save": True}
+    session = worker._Session(ctx, info, {})
+    worker._SESSION = session
+    gc.unfreeze()
+    try:
+        worker.report({"i": 1})
+        first = gc.get_freeze_count()
+        assert first > 0
+        junk = [[i] for i in range(1000)]  # noqa: F841 - tracked objects made after the first step
+        worker.report({"i": 2})
+        assert gc.get_freeze_count() == first  # a step that saves nothing freezes nothing
+        d = tempfile.mkdtemp()
+        open(f"{d}/x", "w").close()
+        worker.report({"i": 3}, checkpoint=worker.Checkpoint.from_directory(d))
+        assert gc.get_freeze_count() > first  # the first save
+    finally:
+        gc.unfreeze()
+        worker.wait_for_checkpoints()
+        session.sampler.stop()
+        worker._SESSION = None
+
+
 # -- properties: bad values of every config field ------------------------------------
 _not_int = st.one_of(
     st.floats(allow_nan=True),

@@ -194,6 +194,9 @@ class _HostProcess:
                 importlib.import_module(name)
             except ModuleNotFoundError:  # not installed here: nothing to warm
                 pass
+        import gc
+
+        gc.freeze()  # the modules live as long as the process: keep them out of full collections (GIL pauses)
         return time.perf_counter() - t0
 
     def bind_coordinator_port(self) -> int:
