@@ -557,6 +557,9 @@ def host_setup(lm: LMConfig, engine_kwargs: dict[str, Any], checkpoint: str | No
     compiles = _RUNNER.warm_up(tuple(engine_kwargs["prefill_buckets"]))
     crossing = _RUNNER.collectives_between_hosts(min(engine_kwargs["prefill_buckets"]))
     _RUNNER.skip_others = not crossing and jax.process_count() > 1
+    import gc
+
+    gc.freeze()  # the model, its programs and JAX live as long as the replica: no full collection rescans them
     return {
         "process_index": jax.process_index(),
         "process_count": jax.process_count(),
