@@ -8,7 +8,10 @@ parameter; the property tests below count how many they tried
 from __future__ import annotations
 
 import collections
+import contextlib
 import math
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -245,25 +248,44 @@ def test_jax_metrics_become_python_values_of_their_own_type():
     assert type(plain["loss"]) is float and type(plain["n"]) is int and type(plain["v"][0]) is int
 
 
-def test_reports_reach_the_drain_in_order_plain_or_still_computing():
-    import dataclasses
-    import tempfile
+@contextlib.contextmanager
+def _one_host_session(tmp_path: Any) -> Iterator[Any]:
+    """A worker session of a one-host attempt, outside Ray (report() and drain_reports() work on it).
 
-    import jax.numpy as jnp
+    The heap freeze the first report does (worker._freeze_heap) is undone on the way out: this is the
+    test process, not a host process.
+    """
+    import dataclasses
+    import gc
 
     from rayslice.train import context, worker
 
     fields = {f.name for f in dataclasses.fields(context.TrainContext)}
     kw = {
         "world_rank": 0, "world_size": 1, "slice_index": 0, "num_slices": 1, "worker_id": 0, "hosts_per_slice": 1,
-        "local_device_count": 1, "experiment_name": "x", "run_path": "/tmp/x", "attempt": 1, "slice_name": "s",
+        "local_device_count": 1, "experiment_name": "x", "run_path": str(tmp_path), "attempt": 1, "slice_name": "s",
         "local_rank": 0, "run_id": "r",
     }  # fmt: skip
     ctx = context.TrainContext(**{k: v for k, v in kw.items() if k in fields})
-    info = {"checkpoint_dir": tempfile.mkdtemp(), "restore_step": None, "num_to_keep": None, "async_save": True}
+    info = {"checkpoint_dir": str(tmp_path / "ckpt"), "restore_step": None, "num_to_keep": None, "async_save": True}
     session = worker._Session(ctx, info, {})
     worker._SESSION = session
+    gc.unfreeze()
     try:
+        yield session
+    finally:
+        gc.unfreeze()
+        worker.wait_for_checkpoints()
+        session.sampler.stop()
+        worker._SESSION = None
+
+
+def test_reports_reach_the_drain_in_order_plain_or_still_computing(tmp_path):
+    import jax.numpy as jnp
+
+    from rayslice.train import worker
+
+    with _one_host_session(tmp_path) as session:
         worker.report({"loss": 1.0, "i": 1})  # plain already: handed over as they are
         worker.report({"loss": jnp.float32(0.5) * 2, "i": 2})  # a device value: plain by the drain at the latest
         with pytest.raises(InvalidArgument, match="string keys"):
@@ -271,48 +293,27 @@ def test_reports_reach_the_drain_in_order_plain_or_still_computing():
         out = worker.drain_reports() + worker.drain_reports()
         assert [(r["step"], r["metrics"]) for r in out] == [(1, {"loss": 1.0, "i": 1}), (2, {"loss": 1.0, "i": 2})]
         assert session.raw == 0 and worker.drain_reports() == []
-    finally:
-        session.sampler.stop()
-        worker._SESSION = None
 
 
-def test_the_first_report_and_first_save_freeze_the_heap_out_of_full_collections():
+def test_the_first_report_and_first_save_freeze_the_heap_out_of_full_collections(tmp_path):
     # A full collection of JAX's and Orbax's objects held the GIL for over a second on a busy machine:
     # the heartbeat thread stalled and the driver took a live host for lost.
-    import dataclasses
     import gc
-    import tempfile
 
-    from rayslice.train import context, worker
+    from rayslice.train import worker
 
-    fields = {f.name for f in dataclasses.fields(context.TrainContext)}
-    kw = {
-        "world_rank": 0, "world_size": 1, "slice_index": 0, "num_slices": 1, "worker_id": 0, "hosts_per_slice": 1,
-        "local_device_count": 1, "experiment_name": "x", "run_path": "/tmp/x", "attempt": 1, "slice_name": "s",
-        "local_rank": 0, "run_id": "r",
-    }  # fmt: skip
-    ctx = context.TrainContext(**{k: v for k, v in kw.items() if k in fields})
-    ckdir = tempfile.mkdtemp()
-    info = {"checkpoint_dir": ckdir, "restore_step": None, "num_to_keep": None, "async_save": True}
-    session = worker._Session(ctx, info, {})
-    worker._SESSION = session
-    gc.unfreeze()
-    try:
+    with _one_host_session(tmp_path):
         worker.report({"i": 1})
         first = gc.get_freeze_count()
         assert first > 0
         junk = [[i] for i in range(1000)]  # noqa: F841 - tracked objects made after the first step
         worker.report({"i": 2})
         assert gc.get_freeze_count() == first  # a step that saves nothing freezes nothing
-        d = tempfile.mkdtemp()
-        open(f"{d}/x", "w").close()
-        worker.report({"i": 3}, checkpoint=worker.Checkpoint.from_directory(d))
+        d = tmp_path / "dir-ckpt"
+        d.mkdir()
+        (d / "x").write_text("")
+        worker.report({"i": 3}, checkpoint=worker.Checkpoint.from_directory(str(d)))
         assert gc.get_freeze_count() > first  # the first save
-    finally:
-        gc.unfreeze()
-        worker.wait_for_checkpoints()
-        session.sampler.stop()
-        worker._SESSION = None
 
 
 # -- properties: bad values of every config field ------------------------------------

@@ -164,7 +164,7 @@ _PLAIN_TYPES = frozenset({bool, int, float, str, type(None)})
 
 def _plain(v: Any) -> Any:
     """A metric value as plain Python, structure kept: arrays become lists, scalars Python numbers."""
-    if type(v) in _PLAIN_TYPES or isinstance(v, bool | int | float | str) or v is None:
+    if type(v) in _PLAIN_TYPES or isinstance(v, bool | int | float | str):  # subclasses too (e.g. IntEnum)
         return v
     if type(v) in _jax_array_types():  # the usual metric: a computed jax scalar
         try:
