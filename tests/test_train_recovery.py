@@ -84,6 +84,61 @@ def test_step_deadline_finds_the_hung_hosts_but_not_the_first_step_or_the_final_
     assert m2.check() is None  # waiting for the last checkpoint is not a hung step
 
 
+def test_a_hung_gang_names_every_host_at_the_stuck_step_the_one_in_its_own_code_first():
+    clock = _Clock()
+    m = HeartbeatMonitor(3, 5.0, 2.0, clock=clock)
+    m.observe({r: _beat(1, 2) for r in range(3)})
+    clock.t = 0.4  # rank 1 is seen at the same step a poll later; rank 2 got one step further
+    m.observe(
+        {
+            0: {**_beat(2, 2), "where": "_value (array.py:650)", "in_jax": True},
+            1: {**_beat(2, 3), "where": "train (loop.py:12)", "in_jax": False},
+            2: {**_beat(2, 3), "where": "train (loop.py:9)", "in_jax": False},
+        }
+    )
+    clock.t = 2.1  # rank 0 is past the deadline at step 2; ranks 1 and 2 got to step 3 (1.7 s ago)
+    v = m.check()
+    assert v is not None and v.ranks == (0,) and v.step == 2 and v.where == ("_value (array.py:650) in JAX",)
+    m = HeartbeatMonitor(2, 5.0, 2.0, clock=clock)
+    clock.t = 10.0
+    m.observe({0: {**_beat(1, 4), "where": "_value (array.py:650)", "in_jax": True}})
+    clock.t = 10.3
+    m.observe({1: {**_beat(1, 4), "where": "train (loop.py:12)", "in_jax": False}})
+    clock.t = 12.1  # rank 0 past the deadline, rank 1 (same step) not yet: both are named, rank 1 first
+    v = m.check()
+    assert v is not None and v.kind == "hung" and v.ranks == (1, 0) and v.step == 4
+    assert v.where == ("train (loop.py:12)", "_value (array.py:650) in JAX")
+    text = v.message(1.0, 2.0, lambda r: f"host {r}")
+    assert "host 1 at train (loop.py:12); host 0 at _value (array.py:650) in JAX" in text and "hung" in text
+
+
+def test_the_publisher_says_where_the_watched_thread_is():
+    import threading
+
+    import jax.numpy as jnp
+
+    from rayslice.train.heartbeat import _in_jax, where_is
+
+    release = threading.Event()
+
+    def stuck_in_user_code():
+        release.wait(30)
+
+    t = threading.Thread(target=stuck_in_user_code)
+    t.start()
+    try:
+        seen = []
+        p = HeartbeatPublisher("k", 60, lambda: (1, "step"), put=lambda k, v: seen.append(json.loads(v)), watch=t.ident)
+        while not seen or not seen[-1]["where"].startswith("wait ("):
+            p.beat()  # until the thread sits in Event.wait
+    finally:
+        release.set()
+        t.join()
+    assert seen[-1]["where"].startswith("wait (threading.py:") and seen[-1]["in_jax"] is False
+    assert where_is(t.ident) == (None, False)  # gone
+    assert _in_jax(jnp.__file__) and not _in_jax(threading.__file__) and not _in_jax(__file__)
+
+
 def test_publisher_reports_an_unreachable_store_once_and_keeps_going(caplog):
     calls = []
 
@@ -242,6 +297,9 @@ def test_a_hung_host_is_found_by_the_step_deadline_and_the_run_restarts(ray_clus
     (err,) = seen.errors
     assert isinstance(err, GangError) and err.outcome is Outcome.TIMEOUT and "hung" in str(err)
     assert "worker 1" in str(err)
+    # The host stuck in its own code comes first; its peer waits for it inside a JAX collective.
+    assert "on host rank 1 (slice-a worker 1) at hang_loop (train_loops.py:" in str(err), err
+    assert str(err).count(" in JAX") == 1 and err.rank == 1
     assert result.metrics == {"step_done": 5, "attempt": 2}
     assert result.goodput.seconds["detection"] >= 0 and result.goodput.seconds["lost"] > 0
     assert _no_actors_left() == []

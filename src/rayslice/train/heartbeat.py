@@ -33,6 +33,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -74,6 +76,10 @@ class HeartbeatPublisher:
         period_s: Seconds between records.
         progress: Returns ``(last completed step, phase)``; read at every beat.
         put: Writes ``(key, bytes)``; default: Ray's internal KV (namespace :data:`NAMESPACE`).
+        watch: The ident of the thread running the training function: each
+            record then says where that thread is (:func:`where_is`), so a
+            hung gang's error names the host stuck in user code apart from the
+            ones waiting for it inside a JAX collective.
 
     A store that cannot be reached is reported once (a warning) and retried;
     it never stops the training function.
@@ -92,8 +98,10 @@ class HeartbeatPublisher:
         period_s: float,
         progress: Callable[[], tuple[int, str]],
         put: Callable[[str, bytes], None] | None = None,
+        watch: int | None = None,
     ) -> None:
         self.key = key
+        self._watch = watch
         self.period_s = period_s
         self._progress = progress
         self._put = put or _kv_put
@@ -112,8 +120,11 @@ class HeartbeatPublisher:
         """Publishes one record now."""
         self._seq += 1
         step, phase = self._progress()
+        record: dict[str, Any] = {"seq": self._seq, "step": step, "phase": phase}
+        if self._watch is not None:
+            record["where"], record["in_jax"] = where_is(self._watch)
         try:
-            self._put(self.key, json.dumps({"seq": self._seq, "step": step, "phase": phase}).encode())
+            self._put(self.key, json.dumps(record).encode())
         except Exception as e:  # the store is unreachable: say so once, keep training
             if not self._warned:
                 self._warned = True
@@ -134,6 +145,34 @@ class HeartbeatPublisher:
         if self._thread is not None:
             self._thread.join(timeout=5)
             self._thread = None
+
+
+def where_is(thread_id: int) -> tuple[str | None, bool]:
+    """Where a thread is now: ``("function (file:line)", inside JAX?)`` of its innermost Python frame.
+
+    "Inside JAX" means that frame belongs to the ``jax`` or ``jaxlib`` package:
+    the thread waits in a JAX call (a collective, a transfer, a device sync),
+    not in its own code. ``(None, False)`` if the thread is gone.
+
+    Example:
+        >>> here, in_jax = where_is(threading.get_ident())
+        >>> here.startswith("where_is ("), in_jax
+        (True, False)
+    """
+    frame = sys._current_frames().get(thread_id)
+    if frame is None:
+        return None, False
+    code = frame.f_code
+    return f"{code.co_name} ({os.path.basename(code.co_filename)}:{frame.f_lineno})", _in_jax(code.co_filename)
+
+
+def _in_jax(filename: str) -> bool:
+    for name in ("jax", "jaxlib"):
+        module = sys.modules.get(name)
+        where = getattr(module, "__file__", None)
+        if where and filename.startswith(os.path.dirname(where) + os.sep):
+            return True
+    return False
 
 
 def _kv_put(key: str, value: bytes) -> None:
@@ -175,12 +214,18 @@ class Verdict:
         silent_s: For "lost", how long the first of them has been silent; for
             "hung", how long no step has completed.
         step: For "hung", the step the stuck hosts last completed.
+        where: For "hung", per host of ``ranks``, where its training thread
+            was at its last record (``"function (file:line)"``, ``" in JAX"``
+            appended when it waits inside a JAX call), or None if not known.
+            Hosts in their own code come first: they are the likely cause,
+            the others wait for them in a collective.
     """
 
     kind: str
     ranks: tuple[int, ...]
     silent_s: float
     step: int | None = None
+    where: tuple[str | None, ...] = ()
 
     def message(
         self,
@@ -194,9 +239,13 @@ class Verdict:
                 f"{hosts} stopped sending heartbeats {self.silent_s:.1f} s ago (heartbeat_timeout_s="
                 f"{heartbeat_timeout_s:g}): the host process or its machine is gone"
             )
+        if len(self.where) == len(self.ranks):  # where each one is, the likely cause first
+            spots = zip(self.ranks, self.where, strict=True)
+            hosts = "; ".join(f"{where(r)} at {w}" if w else where(r) for r, w in spots)
+        alive = "the host is alive" if len(self.ranks) == 1 else "the hosts are alive"
         return (
-            f"no step completed for {self.silent_s:.1f} s on {hosts} after step {self.step} "
-            f"(step_timeout_s={step_timeout_s:g}): the host is alive but hung (a stuck collective?)"
+            f"no step completed for {self.silent_s:.1f} s after step {self.step} (step_timeout_s={step_timeout_s:g}) "
+            f"on {hosts}: {alive} but hung (a stuck collective?)"
         )
 
 
@@ -231,6 +280,7 @@ class HeartbeatMonitor:
         self._seen: dict[int, float] = {}  # rank -> driver time its record last changed
         self._step: dict[int, int] = {}
         self._phase: dict[int, str] = {}
+        self._where: dict[int, tuple[str, bool]] = {}
         self._progress_at: dict[int, float] = {}  # rank -> driver time its step last advanced
         self.finished: set[int] = set()
         self.last_seen: dict[int, float] = {}
@@ -247,6 +297,8 @@ class HeartbeatMonitor:
                 self._step[rank] = step
                 self._progress_at[rank] = now
             self._phase[rank] = str(b.get("phase", "step"))
+            if b.get("where"):
+                self._where[rank] = (str(b["where"]), bool(b.get("in_jax")))
 
     def finish(self, rank: int) -> None:
         """This host's training function returned: it stops beating on purpose."""
@@ -268,18 +320,28 @@ class HeartbeatMonitor:
             return Verdict("lost", tuple(r for r, _ in lost), max(s for _, s in lost))
         if self.step_timeout_s is None:
             return None
-        stuck = []
+        timed = {}
         for rank in range(self.world_size):
             step = self._step.get(rank)
             # Not timed: finished hosts, the first step of the attempt, the final checkpoint wait.
             if rank in self.finished or step is None or step <= self.start_step or self._phase.get(rank) != "step":
                 continue
-            since = now - self._progress_at[rank]
-            if since > self.step_timeout_s:
-                stuck.append((rank, since, step))
-        if not stuck:
+            timed[rank] = (now - self._progress_at[rank], step)
+        over = [step for since, step in timed.values() if since > self.step_timeout_s]
+        if not over:
             return None
-        return Verdict("hung", tuple(r for r, _, _ in stuck), max(s for _, s, _ in stuck), min(p for _, _, p in stuck))
+        # Every host still at the stuck step is stuck with it (the others may have been seen
+        # reaching it a poll later); the ones in their own code first, then those waiting in JAX.
+        at = min(over)
+        waiting = {r for r, (_, in_jax) in self._where.items() if in_jax}
+        stuck = sorted((r for r, (_, step) in timed.items() if step == at), key=lambda r: r in waiting)
+        return Verdict("hung", tuple(stuck), max(timed[r][0] for r in stuck), at, tuple(map(self._spot, stuck)))
+
+    def _spot(self, rank: int) -> str | None:
+        if rank not in self._where:
+            return None
+        where, in_jax = self._where[rank]
+        return f"{where} in JAX" if in_jax else where
 
     def silent_s(self, rank: int) -> float:
         """Seconds since ``rank``'s record last changed (since the start if never)."""

@@ -669,7 +669,9 @@ def run_worker(
     beat = info.get("heartbeat")
     heart = None
     if beat:  # liveness and progress for the driver's monitor (see rayslice.train.heartbeat)
-        heart = HeartbeatPublisher(beat["key"], beat["period_s"], lambda: (session.step, phase)).start()
+        heart = HeartbeatPublisher(
+            beat["key"], beat["period_s"], lambda: (session.step, phase), watch=threading.get_ident()
+        ).start()
     sources = _watch_notices(session, info.get("notices"))
     _freeze_heap()  # the imports and the session: long-lived
     try:
