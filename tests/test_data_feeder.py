@@ -190,6 +190,62 @@ def test_source_errors_surface_in_order():
         next(it)
 
 
+@pytest.mark.parametrize("ragged", ["drop", "keep", "pad", "raise"])
+def test_grouped_transfers_on_cpu_give_the_same_batches_as_one_at_a_time(ragged, monkeypatch):
+    from rayslice.data import feeder
+
+    source = chunks(204)  # 25 full batches of 8 and 4 rows left (they split over the 4 devices)
+    calls = []
+    put = jax.device_put
+    monkeypatch.setattr(jax, "device_put", lambda *a, **k: calls.append(a[0]) or put(*a, **k))
+
+    def run(**kw):
+        out = []
+        try:
+            for b in iter_jax_batches(source, batch_size=8, ragged=ragged, host_columns=["id"], **kw):
+                out.append({k: np.asarray(v) for k, v in b.items()})
+        except RaggedBatchError as e:
+            out.append(str(e))
+        return out
+
+    grouped = run()
+    n_grouped = len(calls)
+    calls.clear()
+    monkeypatch.setattr(feeder, "GROUP_MAX_BATCHES", 1)
+    single = run()
+    assert len(grouped) == len(single) and len(grouped) in (25, 26)
+    for a, b in zip(grouped, single):
+        if isinstance(a, str):
+            assert a == b and "4 row" in a  # the error comes after every full batch, in both
+            continue
+        assert a.keys() == b.keys()
+        for k in a:
+            np.testing.assert_array_equal(a[k], b[k])
+    # 25 full batches in groups of 8: 4 device_put calls instead of 25 (a padded last batch and its
+    # mask are transfers of their own).
+    full = 25 if ragged != "keep" else 26
+    assert len(calls) >= full and n_grouped <= len(calls) - full + 4 + 1
+
+
+def test_a_source_error_comes_after_every_batch_read_before_it():
+    def bad():
+        for i in range(5):
+            yield {"x": np.full(8, i, np.float32)}
+        raise OSError("disk gone")
+
+    it = iter_jax_batches(bad(), batch_size=8)
+    assert it._feeder._group == 8  # CPU, sync: transfers in groups
+    assert [float(next(it)["x"][0]) for _ in range(5)] == [0.0, 1.0, 2.0, 3.0, 4.0]
+    with pytest.raises(OSError, match="disk gone"):
+        next(it)
+
+
+def test_large_batches_are_transferred_one_by_one():
+    rows = [{"x": np.zeros((4096, 256), np.float32)}] * 3  # 4 MiB a batch: the per-call cost is small
+    it = iter_jax_batches(rows, batch_size=4096)
+    assert sum(1 for _ in it) == 3 and it._feeder._group == 1
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [

@@ -9,7 +9,8 @@ staged in pinned host memory and copied to every device asynchronously (in
 parallel per device), and a background thread keeps the next ``prefetch``
 batches on device while the current step runs; on CPU devices, where an
 aligned host batch is aliased rather than copied, the work runs in the
-consumer's ``next()`` (``pipeline="auto"``). Options are one
+consumer's ``next()`` (``pipeline="auto"``), a few small batches per
+``device_put`` call (its fixed cost paid once per group). Options are one
 :class:`~rayslice.data.FeederOptions`, checked when the iterator is built;
 Ray's ``Dataset.iter_jax_batches`` arguments are accepted too (see :func:`~rayslice.data.options.build_options`).
 
@@ -58,6 +59,15 @@ from rayslice.data._steps import Step, decide
 from rayslice.data.options import FeederOptions, Ragged, build_options, check_state
 
 _END = object()
+
+
+#: On CPU devices the synchronous pipeline transfers up to this many consecutive
+#: batches with one ``device_put`` call (its fixed cost, about a third of a 512 KB
+#: batch's, is paid once per group) ...
+GROUP_MAX_BATCHES = 8
+#: ... while the group holds at most this many bytes (a batch this large pays the
+#: per-call cost alone: a few percent of its transfer).
+GROUP_MAX_BYTES = 4 << 20
 
 
 def _reuses_staging(platform: str) -> bool:
@@ -127,6 +137,11 @@ class _Feeder:
             shuffle_seed=o.local_shuffle_seed,
             alloc=self._ring.alloc if self._ring is not None else aligned_empty,
         )
+        # CPU devices alias host memory (a batch on device costs no device memory), so the
+        # consumer's next() transfers a few batches at once; elsewhere one at a time.
+        single = self.process_count == 1 and self._pool is None and self.pinned is None
+        self._group = GROUP_MAX_BATCHES if single and self.platform == "cpu" and self.pipeline == "sync" else 1
+        self._deferred: Exception | None = None  # a source error raised once the batches before it are out
         self._gen = self._generate()
         self._queue: queue.Queue = queue.Queue(maxsize=o.prefetch)
         self._stop = threading.Event()
@@ -205,6 +220,16 @@ class _Feeder:
             self._ring.seal(dev, out)
         return {**out, **host}
 
+    def _to_global_group(self, group: list[tuple[Batch, int]]) -> list[dict[str, Any]]:
+        """:meth:`_to_global` of consecutive batches, their device columns in one ``device_put`` call."""
+        import jax
+
+        if len(group) == 1:
+            return [self._to_global(*group[0])]
+        dev = [{k: v for k, v in b.items() if k not in self.host_columns} for b, _ in group]
+        outs = jax.device_put(dev, self.sharding)
+        return [{**out, **{k: v for k, v in b.items() if k in self.host_columns}} for out, (b, _) in zip(outs, group)]
+
     def _learn(self, template: Batch) -> None:
         """Takes the layout of the first batch (this host's, or another's) and checks it once."""
         o = self.options
@@ -236,6 +261,9 @@ class _Feeder:
 
     def _read_ahead(self, pending: collections.deque, want: int) -> None:
         """Fills ``pending`` with up to ``want`` prepared host batches."""
+        if self._deferred is not None and not pending:  # the batches read before the error are out
+            e, self._deferred = self._deferred, None
+            raise e
         while len(pending) < want and not self._source_done:
             local = next(self._source, None)
             if local is None:
@@ -249,6 +277,9 @@ class _Feeder:
         except Exception as e:  # the other hosts wait for this one: tell them, then raise here
             if self._agreement:
                 self._agreement.abort(step, f"{type(e).__name__}: {e}")
+            elif pending:  # alone: the batches read before the error first, then the error
+                self._deferred, self._source_done = e, True
+                return
             raise
 
     def _handshake(self) -> None:
@@ -276,9 +307,7 @@ class _Feeder:
         if action is Step.FULL:
             out = self._to_global(local, o.batch_size)  # type: ignore[arg-type]
             if o.ragged is Ragged.PAD and o.mask_key is not None:
-                if self._full_mask is None:  # one transfer, shared by every full batch
-                    self._full_mask = self._to_global({"m": np.ones(o.batch_size, dtype=bool)}, o.batch_size)["m"]
-                out[o.mask_key] = self._full_mask
+                out[o.mask_key] = self._full(o.batch_size)
             return out
         # pad: every host pads (a host with no rows sends an all-padding batch)
         if self._template is None:
@@ -300,33 +329,76 @@ class _Feeder:
         pending: collections.deque = collections.deque()
         agreed: dict[int, list[int]] = {}
         window = o.agree_window if self._agreement else 1
+        group: list[tuple[Batch, int]] = []  # steps read and decided, not yet transferred (CPU, sync)
+        size = 0  # their bytes
         self._read_or_abort(pending, window, None)
         if self._agreement:
             self._handshake()
+        elif self._group > 1 and pending:  # read as many ahead as one group takes
+            each = sum(v.nbytes for v in pending[0].values())
+            window = self._group = max(1, min(self._group, GROUP_MAX_BYTES // max(1, each)))
         while not self._stop.is_set():
             if step not in agreed:
                 # One exchange covers a window of steps: each host reads
                 # that many batches ahead and posts all their sizes at once.
                 self._read_or_abort(pending, window, step)
                 mine = [cols.rows_of(b) for b in list(pending)[:window]]
-                per_step = self._agreement.exchange(step, mine, window) if self._agreement else [mine or [0]]
+                if self._agreement:
+                    per_step = self._agreement.exchange(step, mine, window)
+                else:
+                    per_step = [[c] for c in mine] or [[0]]
                 agreed.update({step + j: c for j, c in enumerate(per_step)})
             counts = agreed.pop(step)
-            action = decide(
-                counts,
-                o.batch_size,
-                o.ragged,
-                self.shards,
-                hosts=len(counts) if self._agreement else self.process_count,
-            )
+            try:
+                action = decide(
+                    counts,
+                    o.batch_size,
+                    o.ragged,
+                    self.shards,
+                    hosts=len(counts) if self._agreement else self.process_count,
+                )
+            except Exception:  # the batches before this step are out first
+                yield from self._flush(group)
+                raise
             n = counts[self._process]
             local = pending.popleft() if n else None
+            if self._group > 1 and action in (Step.KEEP, Step.FULL):
+                group.append((local, n))  # type: ignore[arg-type]
+                step += 1
+                size += sum(v.nbytes for v in local.values())  # type: ignore[union-attr]
+                if step in agreed and len(group) < self._group and size < GROUP_MAX_BYTES:
+                    continue  # the next step is decided already: transfer it with this one
+                yield from self._flush(group)
+                group, size = [], 0
+                continue
+            yield from self._flush(group)  # a step of its own (the end, a padded one): the ones before first
+            group, size = [], 0
             if action is Step.END:
                 yield _END, None
                 return
             out = self._step_out(action, local, n)
-            yield (out[cols.ARRAY_KEY] if cols.ARRAY_KEY in out and len(out) == 1 else out), n
+            yield self._unwrap(out), n
             step += 1
+
+    def _flush(self, group: list[tuple[Batch, int]]) -> Iterator[tuple[Any, int]]:
+        if not group:
+            return
+        o = self.options
+        mask = o.mask_key if o.ragged is Ragged.PAD else None  # every batch of a group is full then
+        for out, (_, rows) in zip(self._to_global_group(group), group, strict=True):
+            if mask is not None:
+                out[mask] = self._full(o.batch_size)
+            yield self._unwrap(out), rows
+
+    def _full(self, rows: int) -> Any:
+        """The mask of a full batch under ``Ragged.PAD``: one transfer, shared by every full batch."""
+        if self._full_mask is None:
+            self._full_mask = self._to_global({"m": np.ones(rows, dtype=bool)}, rows)["m"]
+        return self._full_mask
+
+    @staticmethod
+    def _unwrap(out: dict[str, Any]) -> Any:
+        return out[cols.ARRAY_KEY] if cols.ARRAY_KEY in out and len(out) == 1 else out
 
     def _put(self, item: Any) -> bool:
         while not self._stop.is_set():

@@ -177,7 +177,9 @@ class FeederOptions:
             or ``"auto"`` (default: ``"sync"`` on the CPU platform, where
             ``device_put`` of an aligned host batch is a zero-copy alias and a
             thread only adds hand-off cost, ``"thread"`` on accelerators).
-            Ray's ``prefetch_batches=0`` means ``"sync"``.
+            Ray's ``prefetch_batches=0`` means ``"sync"``. In one process on
+            CPU devices, ``"sync"`` transfers up to 8 consecutive small batches
+            (4 MiB in all) with one ``device_put`` call.
         staging: How host batches reach accelerators: ``"pinned"`` (through
             JAX ``memory_kind="pinned_host"`` buffers, then an asynchronous
             DMA to the devices), ``"pageable"`` (plain ``device_put``) or
