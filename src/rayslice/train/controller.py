@@ -78,6 +78,7 @@ _WARM_IMPORTS = (
     "rayslice.data",
 )
 _WARM_OPTIONAL = ("flax.linen", "optax")
+_WARM_DATA = ("ray.data",)  # what a host needs to unpickle its Ray Data shards
 _WARM_REFRESH_S = 5.0  # how often a running attempt looks for new spare hosts to warm
 _ELASTIC_TRY_S = 10.0  # how long an elastic reservation waits for the size it counted before counting again
 _GROW_WARM_WAIT_S = 30.0  # the longest an elastic grow waits for warm processes on the new hosts
@@ -359,7 +360,11 @@ class JaxTrainer:
         if rc.worker_runtime_env:
             options["runtime_env"] = dict(rc.worker_runtime_env)
         if self._fc.warm_spares and self._warm is None:
-            self._warm = WarmPool(_WARM_IMPORTS, options, optional_imports=_WARM_OPTIONAL)
+            # With Ray Data input, each attempt's first call brings the hosts their dataset shards:
+            # unpickling them imports ray.data (and pyarrow), 1-2 s on a busy host. Warm processes
+            # take that import before they are needed, so a restart does not wait for it.
+            imports = _WARM_IMPORTS + (_WARM_DATA if self.datasets else ())
+            self._warm = WarmPool(imports, options, optional_imports=_WARM_OPTIONAL)
         gang = SliceGang(
             spg,
             init_timeout_s=sc.init_timeout_s,
