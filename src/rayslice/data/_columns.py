@@ -31,6 +31,11 @@ def rows_of(batch: Batch) -> int:
     return len(next(iter(batch.values())))
 
 
+def nbytes_of(batch: Batch) -> int:
+    """Bytes held by a host batch's columns."""
+    return sum(v.nbytes for v in batch.values())
+
+
 def _collate_format(fn: Callable[..., Any]) -> str:
     # Ray's collate classes by name, so that Ray Data is imported only by those who use it.
     names = {c.__name__ for c in type(fn).__mro__}

@@ -200,8 +200,7 @@ class _Feeder:
     def _to_global(self, batch: Batch, rows: int) -> dict[str, Any]:
         import jax
 
-        host = {k: v for k, v in batch.items() if k in self.host_columns}
-        dev = {k: v for k, v in batch.items() if k not in self.host_columns}
+        dev, host = self._split_host(batch)
         if self.process_count == 1:
             # Same result, and measurably faster than the multi-process path.
             if self._pool is not None:
@@ -226,9 +225,14 @@ class _Feeder:
 
         if len(group) == 1:
             return [self._to_global(*group[0])]
-        dev = [{k: v for k, v in b.items() if k not in self.host_columns} for b, _ in group]
-        outs = jax.device_put(dev, self.sharding)
-        return [{**out, **{k: v for k, v in b.items() if k in self.host_columns}} for out, (b, _) in zip(outs, group)]
+        dev, host = zip(*(self._split_host(b) for b, _ in group), strict=True)
+        outs = jax.device_put(list(dev), self.sharding)
+        return [{**out, **h} for out, h in zip(outs, host, strict=True)]
+
+    def _split_host(self, batch: Batch) -> tuple[Batch, Batch]:
+        """``(device columns, host columns)`` of a host batch."""
+        dev = {k: v for k, v in batch.items() if k not in self.host_columns}
+        return dev, {k: v for k, v in batch.items() if k in self.host_columns}
 
     def _learn(self, template: Batch) -> None:
         """Takes the layout of the first batch (this host's, or another's) and checks it once."""
@@ -335,7 +339,7 @@ class _Feeder:
         if self._agreement:
             self._handshake()
         elif self._group > 1 and pending:  # read as many ahead as one group takes
-            each = sum(v.nbytes for v in pending[0].values())
+            each = cols.nbytes_of(pending[0])
             window = self._group = max(1, min(self._group, GROUP_MAX_BYTES // max(1, each)))
         while not self._stop.is_set():
             if step not in agreed:
@@ -365,7 +369,7 @@ class _Feeder:
             if self._group > 1 and action in (Step.KEEP, Step.FULL):
                 group.append((local, n))  # type: ignore[arg-type]
                 step += 1
-                size += sum(v.nbytes for v in local.values())  # type: ignore[union-attr]
+                size += cols.nbytes_of(local)  # type: ignore[arg-type]
                 if step in agreed and len(group) < self._group and size < GROUP_MAX_BYTES:
                     continue  # the next step is decided already: transfer it with this one
                 yield from self._flush(group)
