@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 from hypothesis import given
@@ -129,8 +130,10 @@ def test_the_publisher_says_where_the_watched_thread_is():
     try:
         seen = []
         p = HeartbeatPublisher("k", 60, lambda: (1, "step"), put=lambda k, v: seen.append(json.loads(v)), watch=t.ident)
-        while not seen or not seen[-1]["where"].startswith("wait ("):
+        deadline = time.monotonic() + 10
+        while (not seen or not seen[-1]["where"].startswith("wait (")) and time.monotonic() < deadline:
             p.beat()  # until the thread sits in Event.wait
+            time.sleep(0.001)
     finally:
         release.set()
         t.join()
