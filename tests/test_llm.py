@@ -509,35 +509,45 @@ def test_openai_client_over_asgi(engines):
     assert isinstance(Finished("stop", 1, 1, None), Finished)
 
 
-def test_slice_executor_waits_for_the_hosts_with_work_and_notices_an_idle_host_that_failed():
-    """Hosts skip others' slots: a step waits for its hosts only; an idle host's failure breaks the next step."""
+def test_slice_executor_sends_a_step_to_the_hosts_with_work_only_and_a_failure_breaks_it():
+    """Hosts skip others' slots: a step goes to the hosts holding its slots; a host that fails or hangs breaks it."""
     from rayslice.serve.llm.deployment import SliceExecutor
     from rayslice.serve.llm.engine import EngineError
     from rayslice.serve.llm.runner import Decode, Prefill, Step
 
     async def scenario():
-        host1 = asyncio.get_running_loop().create_future()
+        sent: list[list[int]] = []
+        host1 = {"fails": False}
 
         async def reply(rank):
-            if rank == 1:
-                return await host1  # host 1 answers late (or fails)
+            if rank == 1:  # host 1 hangs, or fails
+                if host1["fails"]:
+                    raise RuntimeError("host 1 died")
+                await asyncio.sleep(30)
             return StepResult((7,), np.array([3, -1, -1, -1]), 0.0)
 
         class Gang:
-            def run_async(self, fn, step):
-                return [reply(0), reply(1)]
+            def run_async_on(self, ranks, fn, step):
+                sent.append(list(ranks))
+                return [reply(r) for r in ranks]
 
         ex = object.__new__(SliceExecutor)
-        ex.cfg, ex.slice_name, ex.gang = LLMConfig(step_timeout_s=5), "s", Gang()
-        ex._skip, ex._groups_of_rank, ex._per_group, ex._trailing = True, [{0, 1}, {2, 3}], 1, []
+        ex.cfg, ex.slice_name, ex.gang = LLMConfig(step_timeout_s=0.5), "s", Gang()
+        ex._skip, ex._groups_of_rank, ex._per_group = True, [{0, 1}, {2, 3}], 1
         p = Prefill(slot=0, tokens=(1,), bucket=16, temperature=0.0, top_p=1.0, seed=0)
         d = Decode(np.array([1, 0, 1, 0], bool), np.zeros(4, np.float32), np.ones(4, np.float32), np.zeros(4))
         assert ex.ranks_with_work(Step(prefills=(p,))) == [0] and ex.ranks_with_work(Step(decode=d)) == [0, 1]
-        res = await ex.run(Step(prefills=(p,)))  # returns without host 1's reply
-        assert res.prefill_tokens == (7,) and len(ex._trailing) == 1
-        host1.set_exception(RuntimeError("host 1 died"))
-        await asyncio.sleep(0)
+        res = await ex.run(Step(prefills=(p,)))  # host 1 holds nothing of it: not called
+        assert res.prefill_tokens == (7,) and sent == [[0]]
+        with pytest.raises(EngineError, match="did not finish a step within 0.5 s"):
+            await ex.run(Step(decode=d))  # host 1 does not answer
+        assert sent[-1] == [0, 1]
+        host1["fails"] = True
+        with pytest.raises(EngineError, match="host rank 1 failed: .*host 1 died"):
+            await ex.run(Step(decode=d))
+        ex._skip = False  # hosts that run collectives together: every step goes to every host
         with pytest.raises(EngineError, match="host rank 1 failed"):
             await ex.run(Step(prefills=(p,)))
+        assert sent[-1] == [0, 1]
 
     run(scenario())

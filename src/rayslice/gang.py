@@ -207,7 +207,9 @@ class _HostProcess:
         self._held = s
         return s.getsockname()[1]
 
-    def init_jax(self, coordinator: str, num_processes: int, process_id: int, timeout_s: float) -> dict[str, Any]:
+    def init_jax(
+        self, coordinator: str, num_processes: int, process_id: int, timeout_s: float, cpu_collectives: bool = True
+    ) -> dict[str, Any]:
         global _CONTEXT
         import time
 
@@ -227,6 +229,8 @@ class _HostProcess:
             _wait_listening(coordinator, t1 + timeout_s)
         # JAX's own preemption service would take SIGTERM over (a C++ handler); rayslice's replaces it.
         jax.config.update("jax_enable_preemption_service", False)
+        if not cpu_collectives:  # no computation spans processes: CPU collectives stay in memory (no gloo)
+            jax.config.update("jax_cpu_collectives_implementation", None)
         jax.distributed.initialize(
             coordinator_address=coordinator,
             num_processes=num_processes,
@@ -351,6 +355,11 @@ class SliceGang:
     Args:
         spg: The reservation to run on (not released by the gang).
         init_jax: Initialise ``jax.distributed`` on start.
+        cpu_collectives: On the CPU backend (the simulator), join the processes' CPU devices with JAX's
+            cross-process collectives (gloo over TCP). ``False`` for work whose every computation stays inside
+            one process (e.g. the LLM server's ``"data_tensor"`` layout): collectives between a process's own
+            devices then run in memory instead of through gloo, and a computation spanning processes is refused
+            by JAX. No effect on accelerators.
         init_timeout_s: Deadline for all processes to start and form the mesh.
         env: Extra environment for every process.
         actor_options: Extra Ray actor options (e.g. ``max_concurrency=2`` so
@@ -380,6 +389,7 @@ class SliceGang:
         spg: SlicePlacementGroup,
         *,
         init_jax: bool = True,
+        cpu_collectives: bool = True,
         init_timeout_s: float = 120.0,
         env: dict[str, str] | None = None,
         actor_options: dict[str, Any] | None = None,
@@ -394,6 +404,7 @@ class SliceGang:
         self.name = name
         self.actor_options = dict(actor_options or {})
         self.init_jax = init_jax
+        self.cpu_collectives = cpu_collectives
         self.init_timeout_s = init_timeout_s
         self.env = dict(env or {})
         self.actors: list[Any] = []
@@ -467,7 +478,7 @@ class SliceGang:
         ip = self.spg.slices[0].hosts[0].ip
         coordinator = f"{ip}:{port}"
         refs = [
-            a.init_jax.remote(coordinator, len(self.actors), rank, deadline.remaining)
+            a.init_jax.remote(coordinator, len(self.actors), rank, deadline.remaining, self.cpu_collectives)
             for rank, a in enumerate(self.actors)
         ]
         self.jax_info = _ordered_get(refs, deadline, "jax.distributed.initialize")
@@ -476,6 +487,14 @@ class SliceGang:
     def run_async(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
         """Starts ``fn(*args, **kwargs)`` on every host; returns the refs in rank order."""
         return [a.call.remote(fn, args, kwargs) for a in self.actors]
+
+    def run_async_on(self, ranks: Sequence[int], fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
+        """Starts ``fn(*args, **kwargs)`` on the hosts of ``ranks`` only; returns their refs in that order.
+
+        For work that needs no collective between hosts (each host computes
+        on its own devices), so that idle hosts are not woken.
+        """
+        return [self.actors[r].call.remote(fn, args, kwargs) for r in ranks]
 
     def run_each(
         self, fn: Callable[..., tuple[Any, Any]], args_per_rank: Sequence[tuple], *, timeout_s: float | None = None

@@ -4,11 +4,13 @@ Each replica reserves one slice (rayslice's reservation: one bundle per host,
 never straddling two slices), starts one gang process per host with
 ``jax.distributed`` up, and builds the model on every host over *all* devices
 of the slice (tensor-parallel weights and KV cache). The replica runs the
-continuous-batching scheduler; every engine iteration is one SPMD step that
-all hosts run, and each host returns the sampled tokens of the slots it holds
-(with the default ``"data_tensor"`` layout the hosts split the slots, so a
-step has no collective between hosts). The replica answers HTTP
-(non-streaming JSON or server-sent events).
+continuous-batching scheduler. With the default ``"data_tensor"`` layout the
+hosts split the slots and no program spans two hosts: an engine iteration
+goes to the hosts holding its slots, each runs it on its own devices (with no
+gloo on the simulator: ``SliceGang(cpu_collectives=False)``) and returns the
+sampled tokens of its slots. With ``"tensor"`` every iteration is one SPMD
+step that all hosts run. The replica answers HTTP (non-streaming JSON or
+server-sent events).
 
 When a host is lost, the running step fails (the other hosts' results are
 watched, so a dead host is noticed even while another waits in a collective),
@@ -39,7 +41,7 @@ import numpy as np
 from rayslice._validate import check_choice, check_float, check_int, check_optional, check_str
 from rayslice.errors import describe
 from rayslice.serve.llm.engine import Engine, EngineConfig, EngineError
-from rayslice.serve.llm.model import LAYOUTS, LMConfig
+from rayslice.serve.llm.model import LAYOUTS, LMConfig, resolve_layout
 from rayslice.serve.llm.runner import Step, StepResult, merge_results
 from rayslice.serve.llm.tokenizer import ByteTokenizer
 from rayslice.topology import Topology
@@ -149,11 +151,15 @@ class SliceExecutor:
         )
         try:
             self.slice_name = self.spg.slices[0].name
+            hosts = len(self.spg.slices[0].hosts)
             self.gang = SliceGang(
                 self.spg,
                 init_timeout_s=cfg.init_timeout_s,
                 name=f"llm-{cfg.model_name}",
                 actor_options={"max_concurrency": 2},
+                # "data_tensor": every program runs on one host's devices, so the simulator's CPU devices need
+                # no gloo (its collectives between two devices of one process would go over TCP).
+                cpu_collectives=resolve_layout(cfg.layout, hosts) != "data_tensor",
             ).start()
             self.host_info = self.gang.run(
                 runner.host_setup, cfg.lm, cfg.engine_kwargs(), cfg.checkpoint, cfg.seed, timeout_s=cfg.init_timeout_s
@@ -164,15 +170,15 @@ class SliceExecutor:
         self._compiles = sum(i["compiles"] for i in self.host_info)
         self.slot_groups = int(self.host_info[0]["mesh"]["data"])
         self.layout = str(self.host_info[0]["layout"])
-        # With no collective between hosts, a host runs only the programs of its own slots (runner.host_step):
-        # a step waits for the hosts that hold its work; the others' replies are checked at the next step.
+        # With no collective between hosts, a host runs only the programs of its own slots (runner.host_step),
+        # and its state changes only by them: a step goes to the hosts that hold its work, the others stay idle.
+        # (A host lost while idle is found by the replica's health check, or by the next step it is sent.)
         self._skip = all(i["skips_others"] for i in self.host_info)
         self._groups_of_rank = [frozenset(i["local_groups"]) for i in self.host_info]
         self._per_group = cfg.engine.num_slots // self.slot_groups
-        self._trailing: list[tuple[int, float, asyncio.Future[Any]]] = []
 
     def ranks_with_work(self, step: Step) -> list[int]:
-        """The hosts whose results a step needs (every host unless hosts skip the others' slots)."""
+        """The hosts a step is sent to (every host unless hosts skip the others' slots)."""
         ranks = list(range(len(self._groups_of_rank)))
         if not self._skip:
             return ranks
@@ -181,21 +187,6 @@ class SliceExecutor:
             groups |= {int(s) // self._per_group for s in np.flatnonzero(step.decode.active)}
         return [r for r in ranks if self._groups_of_rank[r] & groups] or ranks
 
-    def _check_trailing(self, now: float) -> None:
-        keep = []
-        for rank, started, f in self._trailing:
-            if f.done():
-                if f.exception() is not None:
-                    raise EngineError(f"slice {self.slice_name}: host rank {rank} failed: {describe(f.exception())}")
-            elif now - started > self.cfg.step_timeout_s:
-                raise EngineError(
-                    f"slice {self.slice_name}: host rank {rank} did not finish a step within "
-                    f"{self.cfg.step_timeout_s:g} s"
-                )
-            else:
-                keep.append((rank, started, f))
-        self._trailing = keep
-
     async def run(self, step: Step) -> StepResult:
         from rayslice.serve.llm import runner
 
@@ -203,32 +194,29 @@ class SliceExecutor:
             raise EngineError("the slice was released")
         loop = asyncio.get_running_loop()
         started = loop.time()
-        self._check_trailing(started)
-        refs = self.gang.run_async(runner.host_step, step)
+        ranks = self.ranks_with_work(step)
+        refs = self.gang.run_async_on(ranks, runner.host_step, step)
         futures = [asyncio.ensure_future(_await(r)) for r in refs]
-        needed = [futures[r] for r in self.ranks_with_work(step)]
         pending = set(futures)
-        while pending and not all(f.done() for f in needed):
+        while pending:
             remaining = started + self.cfg.step_timeout_s - loop.time()
             if remaining <= 0:
                 break
             done, pending = await asyncio.wait(pending, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
             for f in done:
-                if f.exception() is not None:  # any host, needed or not: the slice is broken
+                if f.exception() is not None:  # the slice is broken
                     for p in pending:
                         p.cancel()
-                    rank = futures.index(f)
+                    rank = ranks[futures.index(f)]
                     raise EngineError(f"slice {self.slice_name}: host rank {rank} failed: {describe(f.exception())}")
-        late = [f for f in needed if not f.done()]
-        if late:
+        if pending:
             for f in futures:
                 f.cancel()
             raise EngineError(
-                f"slice {self.slice_name}: {len(late)} host(s) did not finish a step within "
+                f"slice {self.slice_name}: {len(pending)} host(s) did not finish a step within "
                 f"{self.cfg.step_timeout_s:g} s"
             )
-        self._trailing += [(r, started, f) for r, f in enumerate(futures) if not f.done()]
-        return merge_results([f.result() for f in needed])
+        return merge_results([f.result() for f in futures])
 
     def compiles(self) -> int:
         """Compilations on every host of the slice (fetched from the hosts)."""

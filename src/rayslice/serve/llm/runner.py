@@ -2,7 +2,9 @@
 
 A :class:`ModelRunner` lives in every process that holds devices of the mesh:
 once in a plain process (tests, a one-host deployment), or once per host of a
-slice (inside gang processes, where every host runs each step: SPMD). It keeps
+slice (inside gang processes: with ``"tensor"`` every host runs each step,
+SPMD; with ``"data_tensor"`` a host runs the programs of its own slots, over
+its own devices only, see :attr:`ModelRunner.host_local`). It keeps
 per-slot state on the devices (KV cache, last token, position), so a step's
 inputs are a few small integer and float arrays:
 
@@ -142,6 +144,11 @@ class ModelRunner:
     padding rows, no device outside the group), so each host prefills its own
     slots and the first token never waits on another host or group.
 
+    ``host_local`` is true when the mesh spans several processes and every
+    slot group lies inside one of them (``"data_tensor"``): the decode then
+    also runs per process, over its own rows of the mesh, so no program of
+    the runner spans processes and JAX needs no cross-process collectives.
+
     Args:
         lm: Model shape.
         params: Variables as host numpy arrays (from :func:`init_params` or a checkpoint).
@@ -202,6 +209,19 @@ class ModelRunner:
         # then runs only the programs that touch its own slots (the others' results do not depend on it).
         self.skip_others = False
         self._local_devices = [d for d in self.mesh.devices.flat if d.process_index == here]
+        mine = sorted(self.local_groups)
+        # Every slot group inside one process, and several processes: each process runs programs over its own
+        # devices only (its groups: a contiguous block of rows and slots), none spans processes. Then no
+        # cross-process CPU collective implementation (gloo) is needed at all (see SliceGang's cpu_collectives).
+        self.host_local = (
+            len({d.process_index for d in self.mesh.devices.flat}) > 1
+            and all(len({d.process_index for d in self.mesh.devices[g].flat}) == 1 for g in range(self.groups))
+            and mine == list(range(mine[0], mine[-1] + 1))
+        )
+        self._host_mesh: Any = None
+        if mine:
+            self._host_mesh = Mesh(self.mesh.devices[mine[0] : mine[-1] + 1], (DATA_AXIS, MODEL_AXIS))
+        self._host_slots = (mine[0] * self.per_group, (mine[-1] + 1) * self.per_group) if mine else (0, 0)
         self.replicated = NamedSharding(self.mesh, PartitionSpec())
         self.rows = NamedSharding(self.mesh, PartitionSpec(DATA_AXIS))  # a leading slot / group axis
         self.params = jax.tree.map(
@@ -210,11 +230,23 @@ class ModelRunner:
         dtype = jnp.dtype(lm.dtype)
         cache_shape = (lm.num_layers, num_slots, max_context, lm.num_heads, lm.head_dim)
         cache_sharding = NamedSharding(self.mesh, cache_spec())
-        zeros = jax.jit(
-            lambda: (jnp.zeros(cache_shape, dtype), jnp.zeros(cache_shape, dtype)),
-            out_shardings=(cache_sharding, cache_sharding),
-        )
-        self.cache = zeros()
+        if self.host_local:  # the zeros of this process's slots, on its devices: the full-mesh cache's shards
+            hm: Any = self._host_mesh
+            lo, hi = self._host_slots
+            local_shape = (lm.num_layers, hi - lo, *cache_shape[2:])
+            host_cache = NamedSharding(hm, cache_spec())
+            zeros = jax.jit(
+                lambda: (jnp.zeros(local_shape, dtype), jnp.zeros(local_shape, dtype)),
+                out_shardings=(host_cache, host_cache),
+            )
+            k, v = zeros()
+            self.cache = (self._as_full(k, cache_shape, cache_sharding), self._as_full(v, cache_shape, cache_sharding))
+        else:
+            zeros = jax.jit(
+                lambda: (jnp.zeros(cache_shape, dtype), jnp.zeros(cache_shape, dtype)),
+                out_shardings=(cache_sharding, cache_sharding),
+            )
+            self.cache = zeros()
         self.last = self._global(np.zeros(num_slots, np.int32), self.rows)
         self.pos = self._global(np.zeros(num_slots, np.int32), self.rows)
         model = module(lm)
@@ -247,6 +279,12 @@ class ModelRunner:
             return cache, jnp.where(active, toks, last), jnp.where(active, pos + 1, pos), toks
 
         rows = self.rows
+        if self.host_local:  # the decode of this process's slots, over its devices
+            hm = self._host_mesh
+            rows = NamedSharding(hm, PartitionSpec(DATA_AXIS))
+            cache_sharding = NamedSharding(hm, cache_spec())
+            self._host_params = jax.tree.map(lambda a: self._view(a, hm), self.params)
+        self._decode_rows = rows
         state_shardings = ((cache_sharding, cache_sharding), rows, rows)
         self._decode = jax.jit(decode, donate_argnums=(1,), out_shardings=(*state_shardings, rows))
         # A prefill runs on the devices of its slot group only (a [1, model] sub-mesh): no padding rows for the
@@ -290,6 +328,30 @@ class ModelRunner:
         devs = [d for d in sub.devices.flat if d in by_device]
         return jax.make_array_from_single_device_arrays(
             arr.shape, NamedSharding(sub, spec), [by_device[d] for d in devs]
+        )
+
+    def _as_full(self, arr: Any, shape: tuple[int, ...], sharding: Any) -> Any:
+        """A full-mesh array of ``shape`` whose shards on this process's devices are ``arr``'s (no copy)."""
+        import jax
+
+        by_device = {s.device: s.data for s in arr.addressable_shards}
+        return jax.make_array_from_single_device_arrays(shape, sharding, [by_device[d] for d in self._local_devices])
+
+    def _host_view(self, arr: Any, axis: int) -> Any:
+        """The full-mesh ``arr``'s shards on this process's devices as an array over its own devices (no copy).
+
+        ``axis`` is the slot axis (split over ``"data"``): the view holds this process's slots only.
+        """
+        import jax
+        from jax.sharding import NamedSharding
+
+        lo, hi = self._host_slots
+        shape = list(arr.shape)
+        shape[axis] = hi - lo
+        by_device = {s.device: s.data for s in arr.addressable_shards}
+        hm = self._host_mesh
+        return jax.make_array_from_single_device_arrays(
+            tuple(shape), NamedSharding(hm, arr.sharding.spec), [by_device[d] for d in hm.devices.flat]
         )
 
     def _global(self, arr: np.ndarray, sharding: Any = None) -> Any:
@@ -375,6 +437,8 @@ class ModelRunner:
         """Tokens of every slot (-1 for the slots another process holds)."""
         floats = np.stack([d.temperature, d.top_p], axis=1).astype(np.float32)
         seeds = (np.asarray(d.seeds, np.int64) & 0x7FFFFFFF).astype(np.int32)
+        if self.host_local:
+            return self._run_host_decode(np.asarray(d.active, bool), seeds, floats)
         self.cache, self.last, self.pos, toks = self._decode(
             self.params,
             self.cache,
@@ -385,6 +449,28 @@ class ModelRunner:
             self._global(floats, self.rows),
         )
         return self._local(toks)
+
+    def _run_host_decode(self, active: np.ndarray, seeds: np.ndarray, floats: np.ndarray) -> np.ndarray:
+        """The decode of this process's slots on its own devices; the state's shards are replaced in place."""
+        import jax
+
+        lo, hi = self._host_slots
+        rows = self._decode_rows
+        (k, v), last, pos, toks = self._decode(
+            self._host_params,
+            (self._host_view(self.cache[0], 1), self._host_view(self.cache[1], 1)),
+            self._host_view(self.last, 0),
+            self._host_view(self.pos, 0),
+            jax.device_put(active[lo:hi], rows),
+            jax.device_put(seeds[lo:hi], rows),
+            jax.device_put(floats[lo:hi], rows),
+        )
+        full = (self.cache[0], self.cache[1], self.last, self.pos)
+        k, v, last, pos = (self._as_full(a, f.shape, f.sharding) for a, f in zip((k, v, last, pos), full))
+        self.cache, self.last, self.pos = (k, v), last, pos
+        out = np.full(self.num_slots, -1, np.int32)
+        out[lo:hi] = np.asarray(toks)
+        return out
 
     def step(self, step: Step) -> StepResult:
         """Runs one engine iteration (call it in every process of the mesh with the same ``step``).
@@ -431,9 +517,23 @@ class ModelRunner:
         import jax
 
         n, t = self.num_slots, 8 if bucket is None else bucket
+        if self.host_local:
+            lo, hi = self._host_slots
+            n = hi - lo
+            state: tuple[Any, ...] = (
+                self._host_params,
+                (self._host_view(self.cache[0], 1), self._host_view(self.cache[1], 1)),
+                self._host_view(self.last, 0),
+                self._host_view(self.pos, 0),
+            )
+        else:
+            state = (self.params, self.cache, self.last, self.pos)
         rows = (np.zeros(n, bool), np.zeros(n, np.int32), np.zeros((n, 2), np.float32))
-        state = (self.params, self.cache, self.last, self.pos)
-        dec = self._decode.lower(*state, *(self._global(a, self.rows) for a in rows)).compile()
+        if self.host_local:
+            inputs_d = tuple(jax.device_put(a, self._decode_rows) for a in rows)
+        else:
+            inputs_d = tuple(self._global(a, self.rows) for a in rows)
+        dec = self._decode.lower(*state, *inputs_d).compile()
         grp = self._groups[self._first_local_group()]
         lm = self.lm
         cache = jax.ShapeDtypeStruct(
@@ -454,7 +554,8 @@ class ModelRunner:
     def program_devices(self) -> dict[str, list[Any]]:
         """The device of each partition id of the :meth:`compiled_hlo` programs (see :func:`collectives_spanning`)."""
         prefill = self._groups[self._first_local_group()]["devices"]
-        return {"decode": list(self.mesh.devices.flat), "prefill": list(prefill)}
+        decode = (self._host_mesh if self.host_local and self._host_mesh is not None else self.mesh).devices.flat
+        return {"decode": list(decode), "prefill": list(prefill)}
 
     def collectives_between_hosts(self, bucket: int | None = None) -> list[str]:
         """The collectives of the compiled programs whose devices lie on more than one host (process)."""
