@@ -48,6 +48,7 @@ def main() -> int:
     ap.add_argument("--rows", type=int, default=1_000_000, help="rows of the data benchmark")
     ap.add_argument("--train-rounds", type=int, default=3, help="fit() runs per trainer")
     ap.add_argument("--recovery-rounds", type=int, default=3, help="host kills timed with production health checks")
+    ap.add_argument("--chaos-rounds", type=int, default=3, help="rayslice fault-free/chaos pairs (median ratio)")
     ap.add_argument("--elastic-rounds", type=int, default=3, help="elastic runs losing a slice (medians)")
     args = ap.parse_args()
     os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")  # Ray's JaxTrainer lives in Train v2
@@ -95,6 +96,7 @@ def main() -> int:
         "bench_train.py",
         "production",
         f"rounds={args.recovery_rounds}",
+        f"chaos_rounds={args.chaos_rounds}",
     )
     elastic = _own_process(
         console,
