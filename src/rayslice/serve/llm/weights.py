@@ -50,7 +50,11 @@ def load_params(path: str) -> dict[str, Any]:
     import orbax.checkpoint as ocp
 
     state_dir = os.path.join(resolve_step_dir(path), "state")
-    ckptr = ocp.PyTreeCheckpointer()
+    # Each host reads the weights for itself, as host arrays: no barrier with the other processes (which would
+    # be a computation over every process's devices, refused where the hosts have no cross-process collectives).
+    me = jax.process_index()
+    alone = ocp.options.MultiprocessingOptions(primary_host=me, active_processes={me})
+    ckptr = ocp.Checkpointer(ocp.PyTreeCheckpointHandler(multiprocessing_options=alone), multiprocessing_options=alone)
     tree = ckptr.metadata(state_dir).item_metadata.tree
     if not isinstance(tree, dict) or "params" not in tree:
         raise ValueError(
