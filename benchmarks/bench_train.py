@@ -699,6 +699,7 @@ def production_rows(p: dict[str, Any]) -> list[tuple[str, ...]]:
     ratios = [r["xla_restart_s"] / r["xla_first_s"] for r in p["recovery"] if r.get("xla_first_s", 0) > 0]
     compile_ratio = statistics.median(ratios) if ratios else float("nan")
     ours, ray = p["rayslice"], p["ray"]
+    ratios_ours = ours.get("ratios") or ([ours["ratio"]] if ours.get("ratio") is not None else [])
     met = "[green]yes[/green]", "[red]NO[/red]"
     return [
         (
@@ -723,16 +724,29 @@ def production_rows(p: dict[str, Any]) -> list[tuple[str, ...]]:
         ),
         (
             f"{p['steps']} steps x {p['step_s']:g} s, {len(p['kills'])} host kills vs none: goodput ratio"
-            f" (median of {len(ours['ratios'])} pairs, {min(ours['ratios']):.2f}-{max(ours['ratios']):.2f})",
-            f"{ours['ratio']:.2f} ({ours['clean']:.0f} s -> {ours['chaos']:.0f} s)",
+            + (
+                f" (median of {len(ratios_ours)} pairs, {min(ratios_ours):.2f}-{max(ratios_ours):.2f})"
+                if ratios_ours
+                else ""
+            ),
+            _ours_chaos(ours),
             _ray_chaos(ray),
             f"{ours['ratio'] / ray['ratio']:.2f}x Ray" + (" or more" if ray.get("ratio_is_bound") else "")
-            if ray.get("ratio")
+            if ray.get("ratio") and ours.get("ratio")
             else "-",
             f">= {GOAL_CHAOS_RATIO:g}",
-            met[ours["ratio"] < GOAL_CHAOS_RATIO],
+            met[not ours.get("ratio", 0.0) >= GOAL_CHAOS_RATIO],
         ),
     ]
+
+
+def _ours_chaos(ours: dict[str, Any]) -> str:
+    """rayslice's side of the chaos row: the median ratio and walls, or why there is none."""
+    if ours.get("ratio") is None:
+        return "no fault-free run finished"
+    bound = "< " if ours.get("ratio_is_bound") else ""
+    chaos = f"{ours['chaos']:.0f} s" if ours.get("chaos") is not None else "not finished"
+    return f"{bound}{ours['ratio']:.2f} ({ours['clean']:.0f} s -> {chaos})"
 
 
 def _ray_chaos(ray: dict[str, Any]) -> str:

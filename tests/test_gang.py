@@ -61,6 +61,12 @@ def test_psum_over_a_reserved_slice_and_ranks_follow_worker_ids(ray_cluster):
             assert spg.slices[0].name == SLICE_B
             out = gang.run(_identity, timeout_s=60)
             sums = gang.run(_global_sum, timeout_s=60)
+            import ray
+
+            one = ray.get(gang.run_async_on([1], _identity), timeout=60)  # that host alone
+            with pytest.raises(IndexError, match=r"ranks=\[2\] is not valid: expected ranks in 0..1"):
+                gang.run_async_on([2], _identity)
+    assert [o["process_index"] for o in one] == [1]
     assert [o["process_index"] for o in out] == [0, 1]
     assert [o["env"]["TPU_WORKER_ID"] for o in out] == ["0", "1"]
     assert all(o["process_count"] == 2 and o["device_count"] == 8 and o["local_device_count"] == 4 for o in out)

@@ -54,7 +54,7 @@ _HOST = textwrap.dedent(
     mine = [s for s in range(8) if r.group_of(s) in r.local_groups]
     warm = r.warm_up((16,))
     got = generate(r, [mine[0], mine[-1]])
-    ref = ModelRunner(lm, params, devices=jax.local_devices(), **{**kw, "num_slots": 8})  # one process alone
+    ref = ModelRunner(lm, params, devices=jax.local_devices(), tensor_parallel=2, **kw)  # one process alone
     want = generate(ref, [mine[0], mine[-1]])
     print(json.dumps({
         "host_local": r.host_local, "mesh": dict(r.mesh.shape), "groups": sorted(r.local_groups),

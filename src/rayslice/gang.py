@@ -494,6 +494,9 @@ class SliceGang:
         For work that needs no collective between hosts (each host computes
         on its own devices), so that idle hosts are not woken.
         """
+        bad = [r for r in ranks if not 0 <= r < len(self.actors)]
+        if bad:
+            raise IndexError(f"ranks={list(ranks)!r} is not valid: expected ranks in 0..{len(self.actors) - 1}")
         return [self.actors[r].call.remote(fn, args, kwargs) for r in ranks]
 
     def run_each(

@@ -132,7 +132,10 @@ class LLMConfig:
 
 
 class SliceExecutor:
-    """Runs each engine step on every host of one reserved slice (each host answers for the slots it holds)."""
+    """Runs each engine step on the hosts of one reserved slice that hold its slots (every host with ``"tensor"``).
+
+    Each host answers for the slots it holds; the replica merges the answers.
+    """
 
     def __init__(self, cfg: LLMConfig) -> None:
         from rayslice.gang import SliceGang

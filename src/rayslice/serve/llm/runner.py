@@ -10,7 +10,8 @@ inputs are a few small integer and float arrays:
 
 - ``prefill(slot, prompt, ...)``: runs the prompt (padded to a length bucket) on the slot group's devices
   through the model, fills that slot's cache, samples the first token;
-- ``decode(active, ...)``: one token for every slot at once (fixed slot count).
+- ``decode(active, ...)``: one token for every slot at once (fixed slot count; with
+  :attr:`ModelRunner.host_local`, every slot this process holds).
 
 Shapes are fixed by :class:`~rayslice.serve.llm.engine.EngineConfig` (one
 program per prompt bucket, one decode program), compiled by :meth:`warm_up`;
@@ -214,14 +215,15 @@ class ModelRunner:
         # devices only (its groups: a contiguous block of rows and slots), none spans processes. Then no
         # cross-process CPU collective implementation (gloo) is needed at all (see SliceGang's cpu_collectives).
         self.host_local = (
-            len({d.process_index for d in self.mesh.devices.flat}) > 1
+            bool(mine)
+            and len({d.process_index for d in self.mesh.devices.flat}) > 1
             and all(len({d.process_index for d in self.mesh.devices[g].flat}) == 1 for g in range(self.groups))
             and mine == list(range(mine[0], mine[-1] + 1))
         )
-        self._host_mesh: Any = None
-        if mine:
+        self._host_mesh: Any = None  # this process's rows of the mesh and their slots (used when host_local)
+        if self.host_local:
             self._host_mesh = Mesh(self.mesh.devices[mine[0] : mine[-1] + 1], (DATA_AXIS, MODEL_AXIS))
-        self._host_slots = (mine[0] * self.per_group, (mine[-1] + 1) * self.per_group) if mine else (0, 0)
+        self._host_slots = (mine[0] * self.per_group, (mine[-1] + 1) * self.per_group) if self.host_local else (0, 0)
         self.replicated = NamedSharding(self.mesh, PartitionSpec())
         self.rows = NamedSharding(self.mesh, PartitionSpec(DATA_AXIS))  # a leading slot / group axis
         self.params = jax.tree.map(
@@ -473,7 +475,11 @@ class ModelRunner:
         return out
 
     def step(self, step: Step) -> StepResult:
-        """Runs one engine iteration (call it in every process of the mesh with the same ``step``).
+        """Runs one engine iteration.
+
+        Call it in every process of the mesh with the same ``step``; with
+        :attr:`skip_others` (no collective between processes), only in the
+        processes holding the step's slots.
 
         Tokens of slots held by other processes are -1: :func:`merge_results`
         combines the results of every process.
@@ -554,7 +560,7 @@ class ModelRunner:
     def program_devices(self) -> dict[str, list[Any]]:
         """The device of each partition id of the :meth:`compiled_hlo` programs (see :func:`collectives_spanning`)."""
         prefill = self._groups[self._first_local_group()]["devices"]
-        decode = (self._host_mesh if self.host_local and self._host_mesh is not None else self.mesh).devices.flat
+        decode = (self._host_mesh if self.host_local else self.mesh).devices.flat
         return {"decode": list(decode), "prefill": list(prefill)}
 
     def collectives_between_hosts(self, bucket: int | None = None) -> list[str]:
@@ -655,6 +661,12 @@ def host_setup(lm: LMConfig, engine_kwargs: dict[str, Any], checkpoint: str | No
         layout=engine_kwargs.get("layout", "auto"),
         tensor_parallel=engine_kwargs.get("tensor_parallel"),
     )
+    no_gloo = getattr(jax.config, "jax_cpu_collectives_implementation", "gloo") is None
+    if jax.process_count() > 1 and no_gloo and jax.default_backend() == "cpu" and not _RUNNER.host_local:
+        raise RuntimeError(
+            f"layout {_RUNNER.layout!r} (mesh {dict(_RUNNER.mesh.shape)}) runs programs across hosts, but the "
+            "hosts were started without cross-process collectives (SliceGang(cpu_collectives=False))"
+        )
     compiles = _RUNNER.warm_up(tuple(engine_kwargs["prefill_buckets"]))
     crossing = _RUNNER.collectives_between_hosts(min(engine_kwargs["prefill_buckets"]))
     _RUNNER.skip_others = not crossing and jax.process_count() > 1
@@ -669,6 +681,7 @@ def host_setup(lm: LMConfig, engine_kwargs: dict[str, Any], checkpoint: str | No
         "layout": _RUNNER.layout,
         "cross_host_collectives": len(crossing),
         "skips_others": _RUNNER.skip_others,
+        "host_local": _RUNNER.host_local,
         "local_groups": sorted(_RUNNER.local_groups),
         "warm_up_compiles": compiles,
         "compiles": compile_count(),
