@@ -232,23 +232,21 @@ class ModelRunner:
         dtype = jnp.dtype(lm.dtype)
         cache_shape = (lm.num_layers, num_slots, max_context, lm.num_heads, lm.head_dim)
         cache_sharding = NamedSharding(self.mesh, cache_spec())
-        if self.host_local:  # the zeros of this process's slots, on its devices: the full-mesh cache's shards
-            hm: Any = self._host_mesh
-            lo, hi = self._host_slots
-            local_shape = (lm.num_layers, hi - lo, *cache_shape[2:])
-            host_cache = NamedSharding(hm, cache_spec())
-            zeros = jax.jit(
-                lambda: (jnp.zeros(local_shape, dtype), jnp.zeros(local_shape, dtype)),
-                out_shardings=(host_cache, host_cache),
-            )
-            k, v = zeros()
-            self.cache = (self._as_full(k, cache_shape, cache_sharding), self._as_full(v, cache_shape, cache_sharding))
-        else:
-            zeros = jax.jit(
-                lambda: (jnp.zeros(cache_shape, dtype), jnp.zeros(cache_shape, dtype)),
-                out_shardings=(cache_sharding, cache_sharding),
-            )
-            self.cache = zeros()
+        # The programs that touch every slot of this process (the cache's zeros, the decode) run over the whole
+        # mesh, or with host_local over this process's rows only (their outputs: the full-mesh arrays' shards).
+        lo, hi = self._host_slots if self.host_local else (0, num_slots)
+        state_mesh = self._host_mesh if self.host_local else self.mesh
+        state_cache = NamedSharding(state_mesh, cache_spec())
+        state_shape = (lm.num_layers, hi - lo, *cache_shape[2:])
+        zeros = jax.jit(
+            lambda: (jnp.zeros(state_shape, dtype), jnp.zeros(state_shape, dtype)),
+            out_shardings=(state_cache, state_cache),
+        )
+        k, v = zeros()
+        if self.host_local:
+            full = jax.ShapeDtypeStruct(cache_shape, dtype, sharding=cache_sharding)
+            k, v = (self._assemble(full, self._by_device(a)) for a in (k, v))
+        self.cache = (k, v)
         self.last = self._global(np.zeros(num_slots, np.int32), self.rows)
         self.pos = self._global(np.zeros(num_slots, np.int32), self.rows)
         model = module(lm)
@@ -280,14 +278,11 @@ class ModelRunner:
             toks = sample(logits[:, 0], floats[:, 0], floats[:, 1], seeds.astype(jnp.uint32), pos + 1, vocab_limit)
             return cache, jnp.where(active, toks, last), jnp.where(active, pos + 1, pos), toks
 
-        rows = self.rows
-        if self.host_local:  # the decode of this process's slots, over its devices
-            hm = self._host_mesh
-            rows = NamedSharding(hm, PartitionSpec(DATA_AXIS))
-            cache_sharding = NamedSharding(hm, cache_spec())
-            self._host_params = jax.tree.map(lambda a: self._view(a, hm), self.params)
+        rows = NamedSharding(state_mesh, PartitionSpec(DATA_AXIS))
+        if self.host_local:  # the decode's weights: views of the full-mesh weights' shards on this process
+            self._host_params = jax.tree.map(lambda a: self._view(a, state_mesh), self.params)
         self._decode_rows = rows
-        state_shardings = ((cache_sharding, cache_sharding), rows, rows)
+        state_shardings = ((state_cache, state_cache), rows, rows)
         self._decode = jax.jit(decode, donate_argnums=(1,), out_shardings=(*state_shardings, rows))
         # A prefill runs on the devices of its slot group only (a [1, model] sub-mesh): no padding rows for the
         # other groups, and only the group's own all-reduces. Its inputs are views of the full-mesh arrays' shards
@@ -322,39 +317,43 @@ class ModelRunner:
         Valid for arrays whose partition does not split the ``"data"`` axis (the weights): every device of the
         sub-mesh holds the same block it holds in the full mesh.
         """
-        import jax
         from jax.sharding import NamedSharding
 
-        spec = arr.sharding.spec
-        by_device = {s.device: s.data for s in arr.addressable_shards}
-        devs = [d for d in sub.devices.flat if d in by_device]
+        return ModelRunner._sub_array(ModelRunner._by_device(arr), arr.shape, NamedSharding(sub, arr.sharding.spec))
+
+    @staticmethod
+    def _by_device(arr: Any) -> dict[Any, Any]:
+        """``arr``'s shards on this process, by device (single-device arrays: no copy)."""
+        return {s.device: s.data for s in arr.addressable_shards}
+
+    @staticmethod
+    def _sub_array(by_device: dict[Any, Any], shape: tuple[int, ...], sharding: Any) -> Any:
+        """The shards ``by_device`` on ``sharding``'s devices as one array of ``shape`` over them (no copy)."""
+        import jax
+
+        devs = [d for d in sharding.mesh.devices.flat if d in by_device]
+        return jax.make_array_from_single_device_arrays(shape, sharding, [by_device[d] for d in devs])
+
+    def _assemble(self, like: Any, by_device: dict[Any, Any]) -> Any:
+        """The full-mesh array of ``like``'s shape and sharding whose shards here are ``by_device`` (no copy)."""
+        import jax
+
         return jax.make_array_from_single_device_arrays(
-            arr.shape, NamedSharding(sub, spec), [by_device[d] for d in devs]
+            like.shape, like.sharding, [by_device[d] for d in self._local_devices]
         )
 
-    def _as_full(self, arr: Any, shape: tuple[int, ...], sharding: Any) -> Any:
-        """A full-mesh array of ``shape`` whose shards on this process's devices are ``arr``'s (no copy)."""
-        import jax
-
-        by_device = {s.device: s.data for s in arr.addressable_shards}
-        return jax.make_array_from_single_device_arrays(shape, sharding, [by_device[d] for d in self._local_devices])
-
-    def _host_view(self, arr: Any, axis: int) -> Any:
-        """The full-mesh ``arr``'s shards on this process's devices as an array over its own devices (no copy).
-
-        ``axis`` is the slot axis (split over ``"data"``): the view holds this process's slots only.
-        """
-        import jax
+    def _host_state(self) -> tuple[Any, ...]:
+        """The decode's inputs with host_local: weights, cache, last token and position over this process's rows."""
         from jax.sharding import NamedSharding
 
         lo, hi = self._host_slots
-        shape = list(arr.shape)
-        shape[axis] = hi - lo
-        by_device = {s.device: s.data for s in arr.addressable_shards}
-        hm = self._host_mesh
-        return jax.make_array_from_single_device_arrays(
-            tuple(shape), NamedSharding(hm, arr.sharding.spec), [by_device[d] for d in hm.devices.flat]
-        )
+
+        def view(arr: Any, axis: int) -> Any:  # axis: the slot axis (split over "data")
+            shape = (*arr.shape[:axis], hi - lo, *arr.shape[axis + 1 :])
+            return self._sub_array(self._by_device(arr), shape, NamedSharding(self._host_mesh, arr.sharding.spec))
+
+        cache = (view(self.cache[0], 1), view(self.cache[1], 1))
+        return self._host_params, cache, view(self.last, 0), view(self.pos, 0)
 
     def _global(self, arr: np.ndarray, sharding: Any = None) -> Any:
         import jax
@@ -392,22 +391,16 @@ class ModelRunner:
 
     def _prefill_on_group(self, g: int, p: Prefill) -> Any:
         """Runs ``p`` on group ``g``'s devices; the state's shards there are replaced in place. Returns the token."""
-        import jax
-
         grp = self._groups[g]
-        devs = grp["devices"]
-        # The shards of the full-mesh state on this process's devices, by device (single-device arrays: no copy).
+        # The shards of the full-mesh state on this process's devices (taken before the call donates those of
+        # the group's devices), and views of those on the group's devices.
         state = (self.cache[0], self.cache[1], self.last, self.pos)
-        shards = [{s.device: s.data for s in a.addressable_shards} for a in state]
-        mine = [d for d in devs if d in shards[0]]
+        shards = [self._by_device(a) for a in state]
         lm = self.lm
         group_cache_shape = (lm.num_layers, self.per_group, self.max_context, lm.num_heads, lm.head_dim)
         shapes = (group_cache_shape, group_cache_shape, (self.per_group,), (self.per_group,))
         kinds = (grp["cache"], grp["cache"], grp["state"], grp["state"])
-        views = [
-            jax.make_array_from_single_device_arrays(shape, sharding, [by_dev[d] for d in mine])
-            for shape, sharding, by_dev in zip(shapes, kinds, shards)
-        ]
+        views = [self._sub_array(by_dev, shape, sharding) for by_dev, shape, sharding in zip(shards, shapes, kinds)]
         tokens = np.zeros((1, p.bucket), np.int32)
         tokens[0, : len(p.tokens)] = p.tokens
         ints = np.array([[len(p.tokens), p.slot - g * self.per_group, p.seed & 0x7FFFFFFF]], np.int32)
@@ -422,13 +415,8 @@ class ModelRunner:
             self._global(ints, rep),
             self._global(floats, rep),
         )
-        for by_dev, out in zip(shards, (k, v, last, pos)):
-            for s in out.addressable_shards:
-                by_dev[s.device] = s.data
-        full = [
-            jax.make_array_from_single_device_arrays(a.shape, a.sharding, [by_dev[d] for d in self._local_devices])
-            for a, by_dev in zip(state, shards)
-        ]
+        outs = (k, v, last, pos)
+        full = [self._assemble(a, {**by_dev, **self._by_device(out)}) for a, by_dev, out in zip(state, shards, outs)]
         self.cache, self.last, self.pos = (full[0], full[1]), full[2], full[3]
         return tok
 
@@ -459,16 +447,13 @@ class ModelRunner:
         lo, hi = self._host_slots
         rows = self._decode_rows
         (k, v), last, pos, toks = self._decode(
-            self._host_params,
-            (self._host_view(self.cache[0], 1), self._host_view(self.cache[1], 1)),
-            self._host_view(self.last, 0),
-            self._host_view(self.pos, 0),
+            *self._host_state(),
             jax.device_put(active[lo:hi], rows),
             jax.device_put(seeds[lo:hi], rows),
             jax.device_put(floats[lo:hi], rows),
         )
         full = (self.cache[0], self.cache[1], self.last, self.pos)
-        k, v, last, pos = (self._as_full(a, f.shape, f.sharding) for a, f in zip((k, v, last, pos), full))
+        k, v, last, pos = (self._assemble(f, self._by_device(a)) for a, f in zip((k, v, last, pos), full))
         self.cache, self.last, self.pos = (k, v), last, pos
         out = np.full(self.num_slots, -1, np.int32)
         out[lo:hi] = np.asarray(toks)
@@ -522,24 +507,16 @@ class ModelRunner:
         """
         import jax
 
-        n, t = self.num_slots, 8 if bucket is None else bucket
+        t = 8 if bucket is None else bucket
         if self.host_local:
             lo, hi = self._host_slots
-            n = hi - lo
-            state: tuple[Any, ...] = (
-                self._host_params,
-                (self._host_view(self.cache[0], 1), self._host_view(self.cache[1], 1)),
-                self._host_view(self.last, 0),
-                self._host_view(self.pos, 0),
-            )
+            n, state = hi - lo, self._host_state()
+            put: Any = lambda a: jax.device_put(a, self._decode_rows)
         else:
-            state = (self.params, self.cache, self.last, self.pos)
+            n, state = self.num_slots, (self.params, self.cache, self.last, self.pos)
+            put = lambda a: self._global(a, self.rows)
         rows = (np.zeros(n, bool), np.zeros(n, np.int32), np.zeros((n, 2), np.float32))
-        if self.host_local:
-            inputs_d = tuple(jax.device_put(a, self._decode_rows) for a in rows)
-        else:
-            inputs_d = tuple(self._global(a, self.rows) for a in rows)
-        dec = self._decode.lower(*state, *inputs_d).compile()
+        dec = self._decode.lower(*state, *(put(a) for a in rows)).compile()
         grp = self._groups[self._first_local_group()]
         lm = self.lm
         cache = jax.ShapeDtypeStruct(
