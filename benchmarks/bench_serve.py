@@ -6,11 +6,16 @@ and inputs replicated), same ``serve.batch`` settings, same HTTP proxy:
 * slice - ``rayslice.serve.deployment`` on a 2-host v4 ``2x2x2`` slice: each
   request batch is broadcast to both hosts, which run the same jitted step;
 * plain - ``ray.serve.deployment`` whose replica runs the model itself, on one
-  simulated host (4 devices).
+  simulated host (4 devices);
+* forward - the floor of any design whose replica is not itself a host: a
+  plain Serve replica that forwards each batch to one Ray actor holding the
+  model on one simulated host (one actor call per batch, nothing else).
 
 Latency: sequential single-row HTTP requests (p50/p99), in interleaved rounds
 (median round and spread reported). Throughput: requests/s with concurrent
-clients. Added p50 = slice p50 - plain p50 of the same round.
+clients. Added p50 = slice p50 - plain p50 of the same round; the floor's
+added p50 = forward p50 - plain p50, and slice - forward is what the slice
+deployment adds beyond one forwarded call (its other hosts, its checks).
 """
 
 from __future__ import annotations
@@ -89,6 +94,41 @@ def _plain_deployment() -> Any:
     return PlainMLP.bind()
 
 
+def _forward_deployment() -> Any:
+    import ray
+    from ray import serve
+
+    @ray.remote(num_cpus=0, resources={"TPU": 4})
+    class ModelHost:
+        def __init__(self) -> None:
+            self.model = MLP()
+            self.model.setup()
+
+        def run(self, x: np.ndarray) -> np.ndarray:
+            return np.asarray(self.model({"x": x}))
+
+    @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=64)
+    class ForwardMLP:
+        def __init__(self) -> None:
+            self.host = ModelHost.remote()
+
+        @serve.batch(**BATCH)
+        async def run(self, xs: list[np.ndarray]) -> list[list[float]]:
+            out = await self.host.run.remote(np.concatenate(xs))
+            res, i = [], 0
+            for x in xs:
+                res.append(out[i : i + len(x)].tolist())
+                i += len(x)
+            return res
+
+        async def __call__(self, request: Any) -> Any:
+            body = await request.json()
+            x = np.asarray(body["inputs"]["x"], np.float32)
+            return {"outputs": {"output": await self.run(x)}}
+
+    return ForwardMLP.bind()
+
+
 def _latency(url: str, n: int) -> list[float]:
     import requests
 
@@ -125,7 +165,7 @@ def _throughput(url: str, seconds: float, clients: int) -> float:
 
 
 def run(requests_n: int = 200, seconds: float = 5.0, clients: int = 8, rounds: int = 5) -> dict[str, Any]:
-    """Needs a connected simulated cluster with a free v4 2x2x2 slice and one more free v4 host.
+    """Needs a connected simulated cluster with a free v4 2x2x2 slice and two more free v4 hosts.
 
     Latency is measured in ``rounds`` interleaved rounds (plain, slice, plain,
     slice ...) of ``requests_n`` sequential requests each, after a warm-up
@@ -147,11 +187,12 @@ def run(requests_n: int = 200, seconds: float = 5.0, clients: int = 8, rounds: i
         )(MLP)
         serve.run(sliced.bind(), name="slice", route_prefix="/slice")
         serve.run(_plain_deployment(), name="plain", route_prefix="/plain")
-        urls = {name: f"http://127.0.0.1:{port}/{name}" for name in ("plain", "slice")}
+        serve.run(_forward_deployment(), name="forward", route_prefix="/forward")
+        urls = {name: f"http://127.0.0.1:{port}/{name}" for name in ("plain", "slice", "forward")}
         for url in urls.values():  # warm-up round, not kept
             _latency(url, requests_n // 4)
-        p50s: dict[str, list[float]] = {"plain": [], "slice": []}
-        p99s: dict[str, list[float]] = {"plain": [], "slice": []}
+        p50s: dict[str, list[float]] = {name: [] for name in urls}
+        p99s: dict[str, list[float]] = {name: [] for name in urls}
         for _ in range(rounds):
             for name, url in urls.items():
                 lat = sorted(_latency(url, requests_n))
@@ -172,5 +213,11 @@ def run(requests_n: int = 200, seconds: float = 5.0, clients: int = 8, rounds: i
     res["added_p50_ms"] = statistics.median(added)
     res["added_p50_rounds_ms"] = added
     res["added_p50_spread_ms"] = (min(added), max(added))
+    floor = [f - p for f, p in zip(p50s["forward"], p50s["plain"])]
+    res["forward_added_p50_ms"] = statistics.median(floor)
+    res["forward_added_p50_spread_ms"] = (min(floor), max(floor))
+    beyond = [s - f for s, f in zip(p50s["slice"], p50s["forward"])]
+    res["beyond_forward_p50_ms"] = statistics.median(beyond)
+    res["beyond_forward_p50_spread_ms"] = (min(beyond), max(beyond))
     res["rounds"] = rounds
     return res

@@ -221,6 +221,17 @@ def main() -> int:
         f"<= +{bench_serve.GOAL_ADDED_P50_MS:g} ms",
         _met(srv["added_p50_ms"] <= bench_serve.GOAL_ADDED_P50_MS),
     )
+    fw = srv["forward"]
+    t.add_row(
+        "serve floor: a plain replica forwarding each batch to one model actor (one Ray call)",
+        f"slice - forward {srv['beyond_forward_p50_ms']:+.2f} ms p50 "
+        f"({srv['beyond_forward_p50_spread_ms'][0]:+.1f}..{srv['beyond_forward_p50_spread_ms'][1]:+.1f})",
+        f"{fw['p50_ms']:.1f} ms: forward - plain {srv['forward_added_p50_ms']:+.2f} ms "
+        f"({srv['forward_added_p50_spread_ms'][0]:+.1f}..{srv['forward_added_p50_spread_ms'][1]:+.1f})",
+        "-",
+        "(info)",
+        "-",
+    )
     t.add_row(
         "serve throughput, 8 concurrent clients",
         f"{sl['rps']:.0f} req/s",

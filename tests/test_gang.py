@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 
 import rayslice
@@ -52,6 +53,15 @@ def _global_sum() -> float:
     return float(total.addressable_data(0))
 
 
+def _echo_rank(batch: dict, k: int) -> tuple[int, float]:
+    import jax
+    import ray
+
+    # An object ref inside the arguments reaches the host as a ref Ray still tracks.
+    x = ray.get(batch["ref"][0]) if "ref" in batch else batch["x"]
+    return jax.process_index(), float(np.sum(x)) * k
+
+
 def test_psum_over_a_reserved_slice_and_ranks_follow_worker_ids(ray_cluster):
     with busy_host(SLICE_A, 0):
         with (
@@ -64,9 +74,15 @@ def test_psum_over_a_reserved_slice_and_ranks_follow_worker_ids(ray_cluster):
             import ray
 
             one = ray.get(gang.run_async_on([1], _identity), timeout=60)  # that host alone
+            # One serialization for every host; a call holding an object ref goes Ray's own way.
+            packed = ray.get(gang.run_async_packed(_echo_rank, {"x": np.arange(3.0)}, k=2), timeout=60)
+            ref = ray.put(np.arange(4))
+            via_ray = ray.get(gang.run_async_packed(_echo_rank, {"ref": [ref]}, k=1), timeout=60)
             with pytest.raises(IndexError, match=r"ranks=\[2\] is not valid: expected ranks in 0..1"):
                 gang.run_async_on([2], _identity)
     assert [o["process_index"] for o in one] == [1]
+    assert [p[0] for p in packed] == [0, 1] and all(p[1] == 6.0 for p in packed)
+    assert [v[0] for v in via_ray] == [0, 1] and all(v[1] == 6.0 for v in via_ray)
     assert [o["process_index"] for o in out] == [0, 1]
     assert [o["env"]["TPU_WORKER_ID"] for o in out] == ["0", "1"]
     assert all(o["process_count"] == 2 and o["device_count"] == 8 and o["local_device_count"] == 4 for o in out)

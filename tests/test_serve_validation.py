@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 
 import numpy as np
 import pytest
@@ -546,6 +547,68 @@ def test_small_batches_travel_inline_with_each_host_call():
 
     small = {"x": np.ones((SHARE_BYTES // 32 - 1, 8), np.float32)}
     assert _shared(small) is small  # no object-store round trip below Ray's own inline limit
+
+
+def _answer_case(events, timeout_s: float = 5.0):
+    """Runs one step's :class:`_Answer` over two hand-made host futures; ``events`` settle them in order."""
+    import asyncio
+
+    from rayslice.serve.replica import ReplicaCore, _Answer
+
+    core = object.__new__(ReplicaCore)  # only what _Answer uses: the config and the health flag
+    core.cfg, core.broken = SliceServeConfig("v4", "2x2x2", request_timeout_s=timeout_s), None
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        hosts = [loop.create_future(), loop.create_future()]
+        answer = _Answer(core, hosts, time.monotonic() + timeout_s)
+        got = None
+        for rank, value in events:
+            if isinstance(value, BaseException):
+                hosts[rank].set_exception(value)
+            else:
+                hosts[rank].set_result(value)
+            await asyncio.sleep(0)
+            if got is None and answer.future.done():
+                got = answer.future.exception() or answer.future.result()
+        if got is None:
+            try:
+                got = await answer.future
+            except Exception as e:
+                got = e
+        if isinstance(got, Exception):
+            answer.drop()  # as the step does: stop waiting for the other hosts
+        elif not all(h.done() for h in hosts):
+            await asyncio.sleep(timeout_s * 1.5)  # the deadline passes for a host still running
+        answer.drop()
+        return got
+
+    return asyncio.run(run()), core.broken
+
+
+def test_a_step_answers_with_host_0_and_tells_a_lost_host_from_a_model_error():
+    from rayslice.errors import GangError
+
+    lost = GangError("gone", outcome=Outcome.PREEMPTED)
+    # Host 0 answers: the request has it; a host lost afterwards turns the replica unhealthy.
+    got, broken = _answer_case([(0, {"y": 1}), (1, lost)])
+    assert got == {"y": 1} and broken is not None and broken.outcome is Outcome.PREEMPTED
+    # Another host lost first: the request fails at once, naming it (host 0 may sit in a collective).
+    got, broken = _answer_case([(1, lost)])
+    assert isinstance(got, GangError) and got.outcome is Outcome.PREEMPTED and got.rank == 1
+    assert str(got) == "host 1: GangError: gone" and got.__cause__ is lost
+    # A model error on another host is the request's: host 0 reports it; the replica stays healthy.
+    got, broken = _answer_case([(1, ValueError("bad row")), (0, ValueError("bad row"))])
+    assert isinstance(got, ValueError) and broken is None
+    got, broken = _answer_case([(1, None), (0, {"y": 2})])
+    assert got == {"y": 2} and broken is None
+
+
+def test_a_step_past_its_deadline_fails_and_a_late_host_turns_the_replica_unhealthy():
+    got, broken = _answer_case([], timeout_s=0.05)
+    assert isinstance(got, TimeoutError) and "request_timeout_s=0.05" in str(got)
+    got, broken = _answer_case([(0, {"y": 1})], timeout_s=0.05)  # host 1 never finishes
+    assert got == {"y": 1} and broken is not None and broken.outcome is Outcome.TIMEOUT
 
 
 def test_outcomes_map_to_http_statuses():

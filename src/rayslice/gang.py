@@ -27,9 +27,11 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import io
 import os
+import pickle
 import socket
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
 from rayslice._deadline import Deadline
@@ -257,6 +259,11 @@ class _HostProcess:
     def call(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         return fn(*args, **kwargs)
 
+    def call_packed(self, call: bytes) -> Any:
+        """Runs a call serialized once for every host (:meth:`SliceGang.run_async_packed`)."""
+        fn, args, kwargs = pickle.loads(call)
+        return fn(*args, **kwargs)
+
     def call_split(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[Any, Any]:
         # ``fn`` returns (summary, payload) and Ray stores them as two objects:
         # the caller fetches the small summary and can hand the payload on
@@ -267,6 +274,46 @@ class _HostProcess:
 
 def _ping() -> bool:
     return True
+
+
+def _pack(fn: Callable[..., Any], args: tuple, kwargs: dict) -> bytes | None:
+    """``(fn, args, kwargs)`` as bytes every host can load, or None when the call holds a Ray handle.
+
+    Object refs and actor handles are counted references that only Ray's own
+    serializer may carry (pickled outside it, Ray would lose track of them).
+
+    Example:
+        >>> call = _pack(divmod, (7, 2), {})
+        >>> fn, args, kwargs = pickle.loads(call)
+        >>> fn(*args, **kwargs)
+        (3, 1)
+    """
+    global _PICKLER
+    if _PICKLER is None:
+        import ray
+        from ray import cloudpickle
+        from ray.actor import ActorHandle
+
+        class NoHandles(cloudpickle.Pickler):
+            def reducer_override(self, obj: Any) -> Any:
+                if isinstance(obj, ray.ObjectRef | ActorHandle):
+                    raise _HoldsHandle
+                return super().reducer_override(obj)
+
+        _PICKLER = NoHandles
+    buf = io.BytesIO()
+    try:
+        _PICKLER(buf, protocol=5).dump((fn, args, kwargs))
+    except _HoldsHandle:
+        return None
+    return buf.getvalue()
+
+
+_PICKLER: Any = None
+
+
+class _HoldsHandle(Exception):
+    """A call to pack holds an object ref or actor handle."""
 
 
 def _wait_listening(address: str, until: float, poll_s: float = 0.005) -> bool:
@@ -488,16 +535,33 @@ class SliceGang:
         """Starts ``fn(*args, **kwargs)`` on every host; returns the refs in rank order."""
         return [a.call.remote(fn, args, kwargs) for a in self.actors]
 
+    def run_async_packed(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
+        """:meth:`run_async` with the call serialized once, the same bytes sent to every host.
+
+        For small, latency-bound calls (a serving step): Ray serializes each
+        host's arguments again, and for small numpy arguments that is most of
+        a call's submission time. A call holding an object ref or an actor
+        handle goes through :meth:`run_async` (only Ray may serialize those).
+        """
+        return self._send(range(len(self.actors)), fn, args, kwargs)
+
     def run_async_on(self, ranks: Sequence[int], fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
         """Starts ``fn(*args, **kwargs)`` on the hosts of ``ranks`` only; returns their refs in that order.
 
         For work that needs no collective between hosts (each host computes
-        on its own devices), so that idle hosts are not woken.
+        on its own devices), so that idle hosts are not woken. The call is
+        serialized once for all of them, as in :meth:`run_async_packed`.
         """
         bad = [r for r in ranks if not 0 <= r < len(self.actors)]
         if bad:
             raise IndexError(f"ranks={list(ranks)!r} is not valid: expected ranks in 0..{len(self.actors) - 1}")
-        return [self.actors[r].call.remote(fn, args, kwargs) for r in ranks]
+        return self._send(ranks, fn, args, kwargs)
+
+    def _send(self, ranks: Iterable[int], fn: Callable[..., Any], args: tuple, kwargs: dict) -> list[Any]:
+        call = _pack(fn, args, kwargs)
+        if call is None:
+            return [self.actors[r].call.remote(fn, args, kwargs) for r in ranks]
+        return [self.actors[r].call_packed.remote(call) for r in ranks]
 
     def run_each(
         self, fn: Callable[..., tuple[Any, Any]], args_per_rank: Sequence[tuple], *, timeout_s: float | None = None

@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -162,7 +163,15 @@ class ReplicaCore:
         return answers
 
     async def step(self, inputs: dict[str, np.ndarray], rows: int) -> tuple[RunOutcome, dict[str, np.ndarray]]:
-        """Runs one padded batch on every host; the outcome as a value, and host 0's outputs when OK."""
+        """Runs one padded batch on every host; the outcome as a value, and host 0's outputs when OK.
+
+        Host 0's answer ends the request. Waiting on every host, not only host
+        0, matters: when a host dies before a collective, host 0 can wait in
+        that collective for a long time, while the dead host's own call fails
+        as soon as Ray notices. The other hosts' completions are checked after
+        the answer (a lost or late host marks the replica unhealthy), so a
+        request does not also wait for the slowest host to report back.
+        """
         from rayslice.serve import host
 
         t0 = time.monotonic()
@@ -170,46 +179,18 @@ class ReplicaCore:
             outcome = RunOutcome(Outcome.CANCELLED, RuntimeError("the replica is shut down"))
             self.last_outcome = outcome
             return outcome, {}
-        refs = self.gang.run_async(host.infer, _shared(inputs), rows)
-        hosts = [asyncio.ensure_future(_result(ref)) for ref in refs]
+        # The step serialized once for every host (a large batch: one ray.put, read by each host).
+        refs = self.gang.run_async_packed(host.infer, _shared(inputs), rows)
+        answer = _Answer(self, [asyncio.wrap_future(ref.future()) for ref in refs], t0 + self.cfg.request_timeout_s)
         try:
-            outs = await self._first_answer(hosts, t0 + self.cfg.request_timeout_s)
+            outs = await answer.future
         except Exception as e:  # the model raised, a host was lost, or the deadline: an error, never a hang
-            for f in hosts[1:]:
-                if not f.done():
-                    f.cancel()
+            answer.drop()
             outcome = await self._failure(e, time.monotonic() - t0)
             self.last_outcome = outcome
             return outcome, {}
-        # Host 0 answered; the other hosts' completions are checked in the
-        # background (a failure there marks the replica unhealthy), so a
-        # request does not also wait for the slowest host to report back.
-        for f in hosts[1:]:
-            asyncio.ensure_future(self._watch(f, t0 + self.cfg.request_timeout_s))
         self.last_outcome = RunOutcome.success(time.monotonic() - t0)
         return self.last_outcome, outs
-
-    async def _first_answer(self, hosts: Sequence[asyncio.Future], deadline: float) -> Any:
-        """Host 0's result; raises its error, the deadline, or at once another host's loss.
-
-        Waiting on every host, not only host 0, matters: when a host dies
-        before a collective, host 0 can wait in that collective for a long
-        time, while the dead host's own call fails as soon as Ray notices.
-        """
-        pending = set(hosts)
-        while not hosts[0].done():
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TimeoutError(f"no answer within request_timeout_s={self.cfg.request_timeout_s:g}")
-            done, pending = await asyncio.wait(pending, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
-            for rank, f in enumerate(hosts):
-                err = None if rank == 0 or f not in done or f.cancelled() else f.exception()
-                if err is None:
-                    continue
-                outcome = RunOutcome.of(err).outcome
-                if outcome is not Outcome.FAILED:  # a model error on another host is the request's: host 0 says it
-                    raise GangError(f"host {rank}: {describe(err)}", outcome=outcome, rank=rank) from err
-        return hosts[0].result()
 
     async def _failure(self, exc: BaseException, elapsed_s: float) -> RunOutcome:
         """Classifies a failed step once. A collective failing on host 0 is often only the echo
@@ -226,15 +207,11 @@ class ReplicaCore:
             )
         return outcome
 
-    async def _watch(self, host: asyncio.Future, deadline: float) -> None:
-        try:
-            await asyncio.wait_for(host, timeout=max(deadline - time.monotonic(), 0.001))
-        except asyncio.CancelledError:
-            return
-        except Exception as e:
-            outcome = RunOutcome.of(e)
-            if outcome.outcome not in (Outcome.FAILED, Outcome.OK) and self.broken is None:
-                self.broken = outcome  # an error in the model is the request's, not the slice's
+    def _host_failed(self, rank: int, err: BaseException) -> None:
+        """Another host failed after host 0 answered: the slice's fault (a lost or late host), not the request's."""
+        outcome = RunOutcome.of(err)
+        if outcome.outcome not in (Outcome.FAILED, Outcome.OK) and self.broken is None:
+            self.broken = outcome  # an error in the model is the request's, not the slice's
 
     def error(self, outcome: RunOutcome) -> GangError:
         """The error a request gets for a failed step (its ``outcome`` picks the HTTP status)."""
@@ -286,6 +263,74 @@ class ReplicaCore:
             if self.owns_slice:
                 self.spg.release()
             self.spg = None
+
+
+class _Answer:
+    """Host 0's answer to one step, settled by callbacks on the hosts' futures (no task per host).
+
+    :attr:`future` gets host 0's result or error; another host's failure fails
+    it at once unless it is an error in the model (host 0 reports that one
+    itself); the deadline fails it with ``TimeoutError``. After a successful
+    answer, a host that fails or misses the deadline is reported to the
+    replica (:meth:`ReplicaCore._host_failed`), which turns unhealthy.
+    """
+
+    def __init__(self, core: ReplicaCore, hosts: list[asyncio.Future], deadline: float) -> None:
+        loop = asyncio.get_running_loop()
+        self.core = core
+        self.hosts = hosts
+        self.future: asyncio.Future = loop.create_future()
+        self.left = len(hosts)
+        self.timer = loop.call_later(max(deadline - time.monotonic(), 0.0), self._deadline)
+        for rank, f in enumerate(hosts):
+            f.add_done_callback(functools.partial(self._done, rank))
+
+    def _answered(self) -> bool:
+        return self.future.done() and not self.future.cancelled() and self.future.exception() is None
+
+    def _done(self, rank: int, f: asyncio.Future) -> None:
+        self.left -= 1
+        if self.left == 0:
+            self.timer.cancel()
+        if f.cancelled():
+            return
+        err = f.exception()
+        if rank == 0:
+            if not self.future.done():
+                if err is None:
+                    self.future.set_result(f.result())
+                else:
+                    self.future.set_exception(err)
+            return
+        if err is None:
+            return
+        if self.future.done():
+            if self._answered():
+                self.core._host_failed(rank, err)
+            return
+        outcome = RunOutcome.of(err).outcome
+        if outcome is not Outcome.FAILED:  # a model error on another host is the request's: host 0 says it
+            lost = GangError(f"host {rank}: {describe(err)}", outcome=outcome, rank=rank)
+            lost.__cause__ = err
+            self.future.set_exception(lost)
+
+    def _deadline(self) -> None:
+        timeout_s = self.core.cfg.request_timeout_s
+        if not self.future.done():
+            self.future.set_exception(TimeoutError(f"no answer within request_timeout_s={timeout_s:g}"))
+        elif self._answered():
+            late = [rank for rank, f in enumerate(self.hosts) if not f.done()]
+            if late:
+                self.core._host_failed(
+                    late[0], TimeoutError(f"host {late[0]} did not finish within request_timeout_s={timeout_s:g}")
+                )
+
+    def drop(self) -> None:
+        """The step failed: stop waiting for the other hosts."""
+        self.timer.cancel()
+        for f in self.hosts:
+            if not f.done():
+                f.cancel()
 
 
 async def _result(ref: Any) -> Any:
