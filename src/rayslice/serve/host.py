@@ -77,4 +77,3 @@ def infer(inputs: Any, rows: int) -> dict[str, np.ndarray] | None:
             raise ValueError(f"output {k!r} has shape {arr.shape}; expected a leading batch dimension of {rows}+")
         result[k] = arr[:rows]
     return result
-

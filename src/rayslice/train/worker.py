@@ -205,6 +205,8 @@ def _json_safe(v: Any) -> Any:
 
 
 _MAX_STEPS_IN_FLIGHT = 4
+#: jax arrays of at most this many elements are reported as they are and read to the host by the drain.
+_DEFER_MAX_SIZE = 64
 
 
 def _wait_until_ready(v: Any) -> None:
@@ -368,16 +370,22 @@ def report(metrics: Mapping[str, Any], checkpoint: Any = None) -> None:
         raise fail("metrics", metrics, "a dict with string keys", got_type=True)
     now = time.perf_counter()
     step = s.step + 1
-    # Computed values become plain Python now (cheap, and no device buffer is
-    # kept alive); values still being computed stay as they are, since reading
-    # them would wait for the step: the driver's drain converts them later.
+    # A small jax array (the usual metric: a loss scalar) stays as it is: the
+    # drain, on another thread, reads it to the host later, so the step's
+    # thread neither checks whether it is computed nor waits for its copy to the
+    # host (a device-to-host transfer per metric per step). Other computed
+    # values become plain Python now (no large device buffer is kept alive);
+    # values still being computed stay as they are.
     clean: dict[str, Any] = {}
     computing = False
+    jax_types = _jax_array_types()
     for k, v in metrics.items():
         if type(k) is not str and not isinstance(k, str):
             raise fail("metrics", metrics, "a dict with string keys")
         if type(v) in _PLAIN_TYPES:
             clean[k] = v
+        elif type(v) in jax_types and v.size <= _DEFER_MAX_SIZE:
+            clean[k], computing = v, True
         elif _is_ready(v):
             clean[k] = _plain(v)
         else:
@@ -479,16 +487,16 @@ def report(metrics: Mapping[str, Any], checkpoint: Any = None) -> None:
     in_flight = s.in_flight
     if computing:
         in_flight.append(clean)
-    while in_flight and _is_ready(in_flight[0]):
-        in_flight.pop(0)
-    if len(in_flight) > _MAX_STEPS_IN_FLIGHT:
-        # Bound how far the host runs ahead of its device: a loop that never
-        # reads a value would otherwise queue steps without limit, and on CPU
-        # every queued step with a cross-host collective holds a runtime thread
-        # until its peers arrive (enough of them deadlock the process).
-        in_flight[:] = [m for m in in_flight if not _is_ready(m)]
         if len(in_flight) > _MAX_STEPS_IN_FLIGHT:
-            _wait_until_ready(in_flight[0])
+            # Bound how far the host runs ahead of its device: a loop that never
+            # reads a value would otherwise queue steps without limit, and on CPU
+            # every queued step with a cross-host collective holds a runtime thread
+            # until its peers arrive (enough of them deadlock the process). Checked
+            # once the list is full, not at every step: each entry is looked at
+            # about once.
+            in_flight[:] = [m for m in in_flight if not _is_ready(m)]
+            if len(in_flight) > _MAX_STEPS_IN_FLIGHT:
+                _wait_until_ready(in_flight[0])
     if s.stopped is not None:
         raise PreemptionStop(f"preemption notice ({s.stopped.get('reason')}): saved step {step}")
 
@@ -499,19 +507,25 @@ def drain_reports() -> list[dict[str, Any]]:
     if s is None:
         return []
     with s.lock:
-        if not s.raw:  # every metric was made plain by report(): nothing to wait for or convert
-            out, s.reports = s.reports, []
-            return out
-        # Only reports whose device values are computed: reading one that is
-        # not would block this thread behind the step (forever, if a peer host
-        # died mid-collective). The rest wait for the next drain, in order.
-        ready = 0
-        for r in s.reports:
-            if not _is_ready(r["metrics"]):
-                break
-            ready += 1
-        out, s.reports = s.reports[:ready], s.reports[ready:]
-        s.raw = len(s.reports)  # at most this many of those left hold device values
+        taken, s.reports = s.reports, []
+        raw, s.raw = s.raw, 0
+    if not raw:  # every metric was made plain by report(): nothing to wait for or convert
+        return taken
+    # Only reports whose device values are computed: reading one that is not
+    # would block this thread behind the step (forever, if a peer host died
+    # mid-collective). The rest wait for the next drain, in order, ahead of
+    # what was reported meanwhile. Checked outside the lock, which report()
+    # takes on the step's thread.
+    ready = 0
+    for r in taken:
+        if not _is_ready(r["metrics"]):
+            break
+        ready += 1
+    out, rest = taken[:ready], taken[ready:]
+    if rest:
+        with s.lock:
+            s.reports[:0] = rest
+            s.raw += len(rest)  # at most this many of those left hold device values
     for r in out:
         r["metrics"] = {k: _plain(v) for k, v in r["metrics"].items()}
     return out
