@@ -205,8 +205,6 @@ def _json_safe(v: Any) -> Any:
 
 
 _MAX_STEPS_IN_FLIGHT = 4
-#: jax arrays of at most this many elements are reported as they are and read to the host by the drain.
-_DEFER_MAX_SIZE = 64
 
 
 def _wait_until_ready(v: Any) -> None:
@@ -370,22 +368,17 @@ def report(metrics: Mapping[str, Any], checkpoint: Any = None) -> None:
         raise fail("metrics", metrics, "a dict with string keys", got_type=True)
     now = time.perf_counter()
     step = s.step + 1
-    # A small jax array (the usual metric: a loss scalar) stays as it is: the
-    # drain, on another thread, reads it to the host later, so the step's
-    # thread neither checks whether it is computed nor waits for its copy to the
-    # host (a device-to-host transfer per metric per step). Other computed
-    # values become plain Python now (no large device buffer is kept alive);
-    # values still being computed stay as they are.
+    # Computed values become plain Python now (cheap, and no device buffer is
+    # kept alive: a later step may donate or delete it); values still being
+    # computed stay as they are, since reading them would wait for the step:
+    # the driver's drain converts them later.
     clean: dict[str, Any] = {}
     computing = False
-    jax_types = _jax_array_types()
     for k, v in metrics.items():
         if type(k) is not str and not isinstance(k, str):
             raise fail("metrics", metrics, "a dict with string keys")
         if type(v) in _PLAIN_TYPES:
             clean[k] = v
-        elif type(v) in jax_types and v.size <= _DEFER_MAX_SIZE:
-            clean[k], computing = v, True
         elif _is_ready(v):
             clean[k] = _plain(v)
         else:
