@@ -68,6 +68,20 @@ class MLP:
         return self.f(self.params, gx)
 
 
+def _per_request(out: np.ndarray, xs: list[np.ndarray]) -> list[list[float]]:
+    """A batch's outputs split back into each request's rows."""
+    res, i = [], 0
+    for x in xs:
+        res.append(out[i : i + len(x)].tolist())
+        i += len(x)
+    return res
+
+
+async def _rows_of(request: Any) -> np.ndarray:
+    body = await request.json()
+    return np.asarray(body["inputs"]["x"], np.float32)
+
+
 def _plain_deployment() -> Any:
     from ray import serve
 
@@ -79,17 +93,10 @@ def _plain_deployment() -> Any:
 
         @serve.batch(**BATCH)
         async def run(self, xs: list[np.ndarray]) -> list[list[float]]:
-            out = np.asarray(self.model({"x": np.concatenate(xs)}))
-            res, i = [], 0
-            for x in xs:
-                res.append(out[i : i + len(x)].tolist())
-                i += len(x)
-            return res
+            return _per_request(np.asarray(self.model({"x": np.concatenate(xs)})), xs)
 
         async def __call__(self, request: Any) -> Any:
-            body = await request.json()
-            x = np.asarray(body["inputs"]["x"], np.float32)
-            return {"outputs": {"output": await self.run(x)}}
+            return {"outputs": {"output": await self.run(await _rows_of(request))}}
 
     return PlainMLP.bind()
 
@@ -114,17 +121,10 @@ def _forward_deployment() -> Any:
 
         @serve.batch(**BATCH)
         async def run(self, xs: list[np.ndarray]) -> list[list[float]]:
-            out = await self.host.run.remote(np.concatenate(xs))
-            res, i = [], 0
-            for x in xs:
-                res.append(out[i : i + len(x)].tolist())
-                i += len(x)
-            return res
+            return _per_request(await self.host.run.remote(np.concatenate(xs)), xs)
 
         async def __call__(self, request: Any) -> Any:
-            body = await request.json()
-            x = np.asarray(body["inputs"]["x"], np.float32)
-            return {"outputs": {"output": await self.run(x)}}
+            return {"outputs": {"output": await self.run(await _rows_of(request))}}
 
     return ForwardMLP.bind()
 
