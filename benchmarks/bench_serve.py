@@ -167,10 +167,11 @@ def _throughput(url: str, seconds: float, clients: int) -> float:
 def run(requests_n: int = 200, seconds: float = 5.0, clients: int = 8, rounds: int = 5) -> dict[str, Any]:
     """Needs a connected simulated cluster with a free v4 2x2x2 slice and two more free v4 hosts.
 
-    Latency is measured in ``rounds`` interleaved rounds (plain, slice, plain,
-    slice ...) of ``requests_n`` sequential requests each, after a warm-up
-    round; a round's added p50 is its slice p50 minus its plain p50, and the
-    result reports the median round and the spread (min-max) over rounds.
+    Latency is measured in ``rounds`` interleaved rounds (plain, slice,
+    forward, plain, slice, forward ...) of ``requests_n`` sequential requests
+    each, after a warm-up round; a round's added p50 is its slice p50 minus its
+    plain p50 (and the floor's, forward minus plain), and the result reports
+    the median round and the spread (min-max) over rounds.
     """
     from ray import cloudpickle, serve
 

@@ -184,6 +184,9 @@ class ReplicaCore:
         answer = _Answer(self, [asyncio.wrap_future(ref.future()) for ref in refs], t0 + self.cfg.request_timeout_s)
         try:
             outs = await answer.future
+        except asyncio.CancelledError:  # the request went away: stop waiting for the hosts
+            answer.drop()
+            raise
         except Exception as e:  # the model raised, a host was lost, or the deadline: an error, never a hang
             answer.drop()
             outcome = await self._failure(e, time.monotonic() - t0)

@@ -97,6 +97,7 @@ class _Session:
         self.compile_seen = self.compile_clock.totals
         self._writer: CheckpointWriter | None = None  # made on the first array checkpoint (same step on every host)
         self.lock = threading.Lock()
+        self.drain_lock = threading.Lock()  # never taken by report(): the step's thread does not wait on a drain
         self.last_gather: str | None = None
         self.reports: list[dict[str, Any]] = []
         self.raw = 0  # how many of those may still hold device values (0: all plain Python)
@@ -480,16 +481,16 @@ def report(metrics: Mapping[str, Any], checkpoint: Any = None) -> None:
     in_flight = s.in_flight
     if computing:
         in_flight.append(clean)
+    while in_flight and _is_ready(in_flight[0]):
+        in_flight.pop(0)
+    if len(in_flight) > _MAX_STEPS_IN_FLIGHT:
+        # Bound how far the host runs ahead of its device: a loop that never
+        # reads a value would otherwise queue steps without limit, and on CPU
+        # every queued step with a cross-host collective holds a runtime thread
+        # until its peers arrive (enough of them deadlock the process).
+        in_flight[:] = [m for m in in_flight if not _is_ready(m)]
         if len(in_flight) > _MAX_STEPS_IN_FLIGHT:
-            # Bound how far the host runs ahead of its device: a loop that never
-            # reads a value would otherwise queue steps without limit, and on CPU
-            # every queued step with a cross-host collective holds a runtime thread
-            # until its peers arrive (enough of them deadlock the process). Checked
-            # once the list is full, not at every step: each entry is looked at
-            # about once.
-            in_flight[:] = [m for m in in_flight if not _is_ready(m)]
-            if len(in_flight) > _MAX_STEPS_IN_FLIGHT:
-                _wait_until_ready(in_flight[0])
+            _wait_until_ready(in_flight[0])
     if s.stopped is not None:
         raise PreemptionStop(f"preemption notice ({s.stopped.get('reason')}): saved step {step}")
 
@@ -499,6 +500,11 @@ def drain_reports() -> list[dict[str, Any]]:
     s = _SESSION
     if s is None:
         return []
+    with s.drain_lock:  # one drain at a time: reports leave in the order they were made
+        return _drain(s)
+
+
+def _drain(s: _Session) -> list[dict[str, Any]]:
     with s.lock:
         taken, s.reports = s.reports, []
         raw, s.raw = s.raw, 0
