@@ -246,7 +246,7 @@ class ReplicaCore:
         if self.gang is None:
             self._raise_lost([0])
             return
-        pings = [asyncio.ensure_future(_result(ref)) for ref in self.gang.ping_async()]
+        pings = [asyncio.wrap_future(ref.future()) for ref in self.gang.ping_async()]
         done, _ = await asyncio.wait(pings, timeout=5.0)
         lost = [rank for rank, f in enumerate(pings) if f not in done or f.exception() is not None]
         for f in pings:
@@ -334,10 +334,6 @@ class _Answer:
         for f in self.hosts:
             if not f.done():
                 f.cancel()
-
-
-async def _result(ref: Any) -> Any:
-    return await ref
 
 
 #: Batches at least this large are put in the object store once and shared by every host;
