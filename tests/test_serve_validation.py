@@ -578,8 +578,10 @@ def _answer_case(events, timeout_s: float = 5.0):
                 got = e
         if isinstance(got, Exception):
             answer.drop()  # as the step does: stop waiting for the other hosts
-        elif not all(h.done() for h in hosts):
-            await asyncio.sleep(timeout_s * 1.5)  # the deadline passes for a host still running
+        elif not all(h.done() for h in hosts):  # a host still running: wait for its deadline to be noticed
+            until = time.monotonic() + timeout_s + 5.0
+            while core.broken is None and time.monotonic() < until:
+                await asyncio.sleep(0.01)
         answer.drop()
         return got
 
