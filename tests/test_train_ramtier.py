@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from rayslice.errors import InvalidArgument
 from rayslice.train import CheckpointConfig
+from rayslice.train.checkpoint import checkpoints_dir, latest_complete_step, run_dir
 from rayslice.train.goodput import COMPONENTS, GoodputTracker
 from rayslice.train.ramtier import (
     RamCheckpoint,
@@ -364,6 +365,7 @@ def test_ram_restores_after_losses_and_storage_when_a_replica_went_with_its_owne
 
     marker = str(tmp_path / "replica-exchange")
     killed: list[str] = []
+    killers: list[threading.Thread] = []
 
     def kill_during_exchange() -> None:  # host 1 of attempt 1 is stuck sending its replica of step 8
         deadline = time.monotonic() + 240
@@ -373,10 +375,23 @@ def test_ram_restores_after_losses_and_storage_when_a_replica_went_with_its_owne
             killed.append(busy())
             ray_cluster.preempt_host(killed[-1], 1, wait=False)
 
+    root = checkpoints_dir(run_dir(str(tmp_path), "ram-chaos"))
+    hold = str(tmp_path / "hold")  # attempt 2's hosts wait after step 15 until it exists
+
+    def kill_after_storage_step_10() -> None:
+        # Once attempt 2's storage save of step 10 is committed (its hosts wait at step 15 meanwhile,
+        # so that the loss lands before step 20 however slow the save): host 1 of its slice.
+        deadline = time.monotonic() + 120
+        while (latest_complete_step(root) or 0) < 10 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        killed.append(busy())
+        ray_cluster.preempt_host(killed[-1], 1, wait=False)  # its replica survives on host 0
+        open(hold, "w").close()
+
     def chaos(report):
-        if report["attempt"] == 2 and report["step"] >= 14 and len(killed) == 1:
-            killed.append(busy())
-            ray_cluster.preempt_host(killed[-1], 1, wait=False)  # its replica survives on host 0
+        if report["attempt"] == 2 and report["step"] >= 14 and not killers:
+            killers.append(threading.Thread(target=kill_after_storage_step_10, daemon=True))
+            killers[-1].start()
         elif report["attempt"] == 3 and report["step"] >= 21 and len(killed) == 2:
             killed.append(busy())
             ray_cluster.preempt_slice(killed[-1], wait=False)  # every host with its replica
@@ -385,7 +400,14 @@ def test_ram_restores_after_losses_and_storage_when_a_replica_went_with_its_owne
     watcher.start()
     result = JaxTrainer(
         train_loops.ram_loop,
-        train_loop_config={**cfg, "block_replica_at": 8, "marker": marker},
+        train_loop_config={
+            **cfg,
+            "block_replica_at": 8,
+            "marker": marker,
+            "hold_attempt": 2,
+            "hold_at": 15,
+            "hold_marker": hold,
+        },
         scaling_config=scaling,
         run_config=RunConfig(
             name="ram-chaos",
@@ -397,6 +419,8 @@ def test_ram_restores_after_losses_and_storage_when_a_replica_went_with_its_owne
         ),
     ).fit()
     watcher.join(timeout=5)
+    for t in killers:
+        t.join(timeout=5)
     assert result.error is None, result.error
     assert len(killed) == 3 and result.preemptions == 3 and result.attempts == 4
     first, second, third = result.restores

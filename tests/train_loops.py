@@ -366,13 +366,22 @@ def _block_replica_exchange(marker: str) -> None:
     writer._put_replica = stuck
 
 
+def _hold(marker: str, timeout_s: float = 120.0) -> None:
+    """Waits (at most ``timeout_s``) until ``marker`` exists: the test decides when this host goes on."""
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(marker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def ram_loop(config: dict) -> None:
     """A small optax loop with a replicated and a row-sharded parameter; reports a digest of the final state.
 
     Checkpoints when ``save_requested()`` (the RAM and storage cadences of the
     run's ``CheckpointConfig``). With ``block_replica_at``, host ``block_rank``
     of attempt 1 hangs in the replica exchange of that RAM step (see
-    :func:`_block_replica_exchange`).
+    :func:`_block_replica_exchange`). With ``hold_attempt`` and ``hold_at``,
+    every host of that attempt waits after reporting that step until the file
+    ``hold_marker`` exists (see :func:`_hold`).
     """
     import hashlib
 
@@ -429,6 +438,8 @@ def ram_loop(config: dict) -> None:
             _block_replica_exchange(config["marker"])
         extra = {"restored_from": ckpt.step if ckpt else 0, "tier": ckpt.tier if ckpt else ""}
         report({"loss": loss, **extra}, checkpoint={**state, "data": it} if save_requested() else None)
+        if ctx.attempt == config.get("hold_attempt") and done == config.get("hold_at"):
+            _hold(config["hold_marker"])
     final = multihost_utils.process_allgather(state, tiled=True)
     digest = hashlib.sha256(b"".join(np.asarray(leaf).tobytes() for leaf in jax.tree.leaves(final))).hexdigest()
     report({"digest": digest, "leaves": len(jax.tree.leaves(final))})

@@ -24,7 +24,7 @@ import datetime
 import logging
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
 from rich.console import Console
@@ -467,6 +467,7 @@ class JaxTrainer:
         # One drain call in flight per rank: a host that does not answer (dead,
         # and not yet declared dead by Ray) never blocks the others' reports.
         draining: dict[int, Any] = {}
+        died: list[int] = []  # ranks whose drain call found their process dead
         # Hosts that stopped after the emergency save of a preemption notice.
         noticed: dict[int, dict[str, Any]] = {}
         shown_next = 0.0  # when the goodput gauges and the status line are next refreshed
@@ -518,6 +519,7 @@ class JaxTrainer:
                         error = error or e
                         if isinstance(e, ray.exceptions.RayActorError):  # its process gone, maybe its host
                             suspect(rank)
+                            died.append(rank)
             for rank, reports in got.items():
                 for r in reports:
                     steps.setdefault(r["step"], {})[rank] = r
@@ -571,14 +573,18 @@ class JaxTrainer:
             # How long the quietest host still running has been silent (driver clock).
             return max((monitor.silent_s(r) for r in range(world) if r not in monitor.finished), default=0.0)
 
-        def silent() -> float:
-            # How long the quietest host had been silent: the detection delay of a loss Ray reported.
+        def silent(ranks: Sequence[int] = ()) -> float:
+            # The detection delay of a loss Ray reported: how long the hosts whose processes died
+            # (``ranks``, when known) had been silent, i.e. since their last sign of life; else how
+            # long the quietest host had been, counted only beyond a normal gap between beats.
             # Read first, so that hosts still alive count as fresh even if the driver was busy
             # (e.g. in a callback) and stale records are not taken for silence.
             try:
                 monitor.observe(read_beats(keys))
             except Exception:
                 pass
+            if ranks:
+                return max(monitor.silent_s(r) for r in ranks)
             quiet = quietest()
             return quiet if quiet > 2 * period_for(fc.heartbeat_timeout_s) else 0.0
 
@@ -591,8 +597,9 @@ class JaxTrainer:
                 pass
 
         def failed(e: BaseException, rank: int | None) -> RunOutcome:
-            self._detection_s = silent()
             outcome = RunOutcome.of(e).outcome
+            # A process Ray reported dead: its silence is the detection delay (another error: none).
+            self._detection_s = silent([rank] if outcome is Outcome.PREEMPTED and rank is not None else [])
             if outcome is not Outcome.PREEMPTED:
                 # The error may be the echo of a lost host (a collective broke
                 # because its peer died): a preemption, not a bug. The
@@ -615,6 +622,7 @@ class JaxTrainer:
                 self._lost_nodes.update(gang.contexts[r].node_id for r in lost_ranks)
                 if lost_ranks:
                     outcome = Outcome.PREEMPTED
+                    self._detection_s = silent(lost_ranks)
                     # Ray may list the node as alive for a while yet: reserve elsewhere if possible.
                     self._avoid |= {gang.contexts[r].slice_name for r in lost_ranks}
             elif rank is not None and 0 <= rank < len(gang.contexts):  # Ray saw the process die, maybe its host
@@ -659,7 +667,7 @@ class JaxTrainer:
             except _CallbackFailed:
                 raise
             except Exception as e:  # a host gone: it was lost
-                self._detection_s = silent()
+                self._detection_s = silent(died)
                 return RunOutcome.of(e, elapsed_s=time.monotonic() - t0, lost_s=time.monotonic() - last)
             ready, _ = ray.wait(list(pending.values()), num_returns=len(pending), timeout=poll)
             for rank, ref in list(pending.items()):
