@@ -167,12 +167,22 @@ def test_sampler_without_sources_degrades_quietly(monkeypatch):
     monkeypatch.setattr(m._Gauges, "_instance", None)
     monkeypatch.setattr(m, "tpu_chip_usage", lambda: None)
     monkeypatch.setattr(m, "jax_memory_stats", lambda: None)
-    t = iter([0.0, 10.0, 20.0])
+    t = iter([0.0, 10.0, 20.0, 30.0])
     s = HostSampler({"slice": "s", "worker_id": "0", "run": "r"}, clock=lambda: next(t))
     s.record_step(4.0)
     s.sample()  # 4 s busy of 10 s
     assert s.sources == {"tpu-info": False, "jax-memory-stats": False}
-    assert (0.4, {"slice": "s", "worker_id": "0", "run": "r", "device": "host"}) in set_calls
+    host = {"slice": "s", "worker_id": "0", "run": "r", "device": "host"}
+    assert (0.4, host) in set_calls and (4.0, host) in set_calls
+    # Each window exports only its own steps: the last step's time, and busy time / window.
+    s.record_step(1.0)
+    s.record_step(2.0)
+    set_calls.clear()
+    s.sample()  # 3 s busy of 10 s
+    assert [v for v, tags in set_calls if tags == host][:2] == [2.0, 0.3]  # then the process's memory
+    set_calls.clear()
+    s.sample()  # no step: no step time, duty 0
+    assert [v for v, tags in set_calls if tags == host][:1] == [0.0]
     monkeypatch.setattr(m._Gauges, "_instance", None)
 
 

@@ -135,7 +135,10 @@ def overhead_loop(config: dict) -> None:
     ``target_ms`` sizes the step: a chain of small matmuls (one compute
     thread per host, as a device computing while its host waits) whose length
     is calibrated on the hosts, all at once, until the bare step takes about
-    that long (``size`` fixes it instead). ``warmup_s`` of reported steps run before
+    that long (``size`` fixes it instead). With ``pipelined``, the loop does not
+    wait for each step: the step carries its state to the next, as a training
+    step does, and the host runs ahead of the device (report() bounds how far);
+    the phase waits for its last step. ``warmup_s`` of reported steps run before
     the timed pairs, so the run's one-time work (the first drains, the warm
     spare processes that the trainer starts on a free slice after the first
     report) is not taken for a per-step cost.
@@ -163,6 +166,18 @@ def overhead_loop(config: dict) -> None:
         f(x).block_until_ready()
         return f, x
 
+    def chained_of(size: int):
+        # The same step carrying its state to the next one (a training step's shape), for the pipelined loop.
+        w = jnp.full((128, 128), 0.01, jnp.float32)
+
+        def g(a):
+            a = jax.lax.fori_loop(0, size, lambda _, a: jnp.tanh(a @ w), a)
+            return a, a.mean()
+
+        g = jax.jit(g)
+        g(jnp.ones((32, 128), jnp.float32))[1].block_until_ready()
+        return g
+
     def bare_ms(f, x, n: int) -> float:
         t0 = time.perf_counter()
         for _ in range(n):
@@ -182,6 +197,8 @@ def overhead_loop(config: dict) -> None:
             size = max(1, round(size * config.get("target_ms", 3.5) / ms))
         size = int(multihost_utils.broadcast_one_to_all(np.int32(size)))  # the same step on every host
     f, x = step_of(size)
+    pipelined = bool(config.get("pipelined"))
+    g = chained_of(size) if pipelined else None
     warm_until = time.perf_counter() + config.get("warmup_s", 0.0)
     i = 0
     while time.perf_counter() < warm_until:
@@ -193,6 +210,16 @@ def overhead_loop(config: dict) -> None:
 
     def timed(with_report: bool) -> tuple[float, float]:
         c0, t0 = time.process_time(), time.perf_counter()
+        if g is not None:  # pipelined: no wait per step (report() bounds how far the host runs ahead)
+            a = x
+            for i in range(n):
+                a, v = g(a)
+                if with_report:
+                    t1 = time.perf_counter()
+                    report({"v": v, "i": i})
+                    inside.append(time.perf_counter() - t1)
+            v.block_until_ready()
+            return time.perf_counter() - t0, time.process_time() - c0
         for i in range(n):
             v = f(x)
             v.block_until_ready()

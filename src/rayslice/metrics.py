@@ -137,8 +137,13 @@ class HostSampler:
         self._clock = clock
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._busy_s = 0.0
-        self._last_step: float | None = None
+        # Written by the step's thread only (record_step), read by the sampling thread: running totals,
+        # not counters the reader resets, so neither side needs a lock on the step's path.
+        self._busy_total_s = 0.0
+        self._steps = 0
+        self._last_step = 0.0
+        self._busy_seen_s = 0.0  # the sampler's own marks of what it has exported
+        self._steps_seen = 0
         self._window_start = clock()
         self._lock = threading.Lock()
         self.sources: dict[str, bool] = {}
@@ -156,12 +161,13 @@ class HostSampler:
     def record_step(self, seconds: float) -> None:
         """One step took ``seconds`` on this host (feeds step time and the derived duty cycle).
 
-        On the hot path: it only updates two numbers; the sampling thread
-        exports them, so a step never waits on the metrics pipeline.
+        On the hot path: it only updates three numbers, without a lock (one
+        thread reports steps); the sampling thread exports them, so a step
+        never waits on the metrics pipeline.
         """
-        with self._lock:
-            self._last_step = seconds
-            self._busy_s += max(0.0, seconds)
+        self._last_step = seconds
+        self._busy_total_s += max(0.0, seconds)
+        self._steps += 1  # last: a reader that sees the new count also sees this step's time
 
     def sample(self) -> None:
         """Takes one sample now."""
@@ -180,10 +186,11 @@ class HostSampler:
             if "duty_cycle" in d:
                 g.duty.set(d["duty_cycle"], tags=self._t(str(i)))
         now = self._clock()
-        with self._lock:
-            busy, self._busy_s = self._busy_s, 0.0
+        with self._lock:  # one sampler at a time (the thread, or a direct call)
+            steps, total = self._steps, self._busy_total_s
+            last = self._last_step if steps != self._steps_seen else None
+            busy, self._busy_seen_s, self._steps_seen = total - self._busy_seen_s, total, steps
             span, self._window_start = now - self._window_start, now
-            last, self._last_step = self._last_step, None
         if last is not None:
             g.step.set(float(last), tags=self._t("host"))
         if chips is None and span > 0:

@@ -22,6 +22,7 @@ Example (inside ``train_loop_per_worker``)::
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import gc
 import json
@@ -96,11 +97,13 @@ class _Session:
         self.compile_clock = compile_clock()
         self.compile_seen = self.compile_clock.totals
         self._writer: CheckpointWriter | None = None  # made on the first array checkpoint (same step on every host)
-        self.lock = threading.Lock()
         self.drain_lock = threading.Lock()  # never taken by report(): the step's thread does not wait on a drain
         self.last_gather: str | None = None
-        self.reports: list[dict[str, Any]] = []
-        self.raw = 0  # how many of those may still hold device values (0: all plain Python)
+        # Reports not yet drained, oldest first: report() appends on the right, the drain (one at a
+        # time) takes from the left and puts back on the left what it cannot read yet, so neither
+        # needs a lock (a deque's appends and pops are atomic). A report holding device values
+        # still being computed when reported carries the key _RAW.
+        self.reports: collections.deque[dict[str, Any]] = collections.deque()
         # Metrics of the steps not yet computed when reported, oldest first (at most a few):
         # report() checks these, never every report since the last drain.
         self.in_flight: list[dict[str, Any]] = []
@@ -206,6 +209,7 @@ def _json_safe(v: Any) -> Any:
 
 
 _MAX_STEPS_IN_FLIGHT = 4
+_RAW = "_raw"  # a report's key while its metrics may hold device values (removed by the drain)
 
 
 def _wait_until_ready(v: Any) -> None:
@@ -475,9 +479,9 @@ def report(metrics: Mapping[str, Any], checkpoint: Any = None) -> None:
         _freeze_heap()  # what the compile or the first save left behind stays: keep it out of full collections
     s.step, s.first = step, False
     s.last = end
-    with s.lock:
-        s.reports.append(record)
-        s.raw += computing
+    if computing:
+        record[_RAW] = True
+    s.reports.append(record)
     in_flight = s.in_flight
     if computing:
         in_flight.append(clean)
@@ -505,28 +509,24 @@ def drain_reports() -> list[dict[str, Any]]:
 
 
 def _drain(s: _Session) -> list[dict[str, Any]]:
-    with s.lock:
-        taken, s.reports = s.reports, []
-        raw, s.raw = s.raw, 0
-    if not raw:  # every metric was made plain by report(): nothing to wait for or convert
+    reports = s.reports
+    taken = [reports.popleft() for _ in range(len(reports))]  # what was reported until now
+    if not any(_RAW in r for r in taken):  # every metric was made plain by report(): nothing to wait for
         return taken
     # Only reports whose device values are computed: reading one that is not
     # would block this thread behind the step (forever, if a peer host died
     # mid-collective). The rest wait for the next drain, in order, ahead of
-    # what was reported meanwhile. Checked outside the lock, which report()
-    # takes on the step's thread.
+    # what was reported meanwhile.
     ready = 0
     for r in taken:
-        if not _is_ready(r["metrics"]):
+        if _RAW in r and not _is_ready(r["metrics"]):
             break
         ready += 1
     out, rest = taken[:ready], taken[ready:]
-    if rest:
-        with s.lock:
-            s.reports[:0] = rest
-            s.raw += len(rest)  # at most this many of those left hold device values
+    reports.extendleft(reversed(rest))
     for r in out:
-        r["metrics"] = {k: _plain(v) for k, v in r["metrics"].items()}
+        if r.pop(_RAW, False):
+            r["metrics"] = {k: _plain(v) for k, v in r["metrics"].items()}
     return out
 
 
