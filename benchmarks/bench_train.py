@@ -183,11 +183,12 @@ def overhead_row(o: dict[str, Any], goal: float) -> tuple[str, ...]:
         verdict = f"[yellow]noise[/yellow] (floor {100 * o['null']:+.1f}%)"
     else:
         verdict = "[green]yes[/green]" if o["overhead"] <= goal else "[red]NO[/red]"
+    pipelined = bool(o.get("pipelined"))
     return (
         f"trainer per-step overhead, {o['bare_ms']:.1f} ms step"
-        f"{', pipelined loop (no wait per step)' if o.get('pipelined') else ''} ({o['pairs']} pairs of "
+        f"{', pipelined loop (no wait per step)' if pipelined else ''} ({o['pairs']} pairs of "
         f"{o['phase_steps']}-step phases; report() {o['report_us']:.0f} us median, {o['report_mean_us']:.0f} us mean"
-        f"{', with its waits for the device' if o.get('pipelined') else ''})",
+        f"{', with its waits for the device' if pipelined else ''})",
         f"{100 * o['overhead']:+.2f}% (IQR {100 * o['overhead_p25']:+.1f}..{100 * o['overhead_p75']:+.1f}%)",
         f"bare vs bare: {100 * o['null']:+.2f}% (IQR {100 * o['null_p25']:+.1f}..{100 * o['null_p75']:+.1f}%)",
         f"{100 * o['overhead']:+.2f}%",

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 
@@ -368,10 +367,7 @@ def test_ram_restores_after_losses_and_storage_when_a_replica_went_with_its_owne
     killers: list[threading.Thread] = []
 
     def kill_during_exchange() -> None:  # host 1 of attempt 1 is stuck sending its replica of step 8
-        deadline = time.monotonic() + 240
-        while not os.path.exists(marker) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        if os.path.exists(marker):
+        if train_loops._hold(marker, timeout_s=240):
             killed.append(busy())
             ray_cluster.preempt_host(killed[-1], 1, wait=False)
 

@@ -210,23 +210,19 @@ def overhead_loop(config: dict) -> None:
 
     def timed(with_report: bool) -> tuple[float, float]:
         c0, t0 = time.process_time(), time.perf_counter()
-        if g is not None:  # pipelined: no wait per step (report() bounds how far the host runs ahead)
-            a = x
-            for i in range(n):
-                a, v = g(a)
-                if with_report:
-                    t1 = time.perf_counter()
-                    report({"v": v, "i": i})
-                    inside.append(time.perf_counter() - t1)
-            v.block_until_ready()
-            return time.perf_counter() - t0, time.process_time() - c0
+        a = x
         for i in range(n):
-            v = f(x)
-            v.block_until_ready()
+            if g is None:  # wait for every step
+                v = f(x)
+                v.block_until_ready()
+            else:  # pipelined: no wait per step (report() bounds how far the host runs ahead)
+                a, v = g(a)
             if with_report:
                 t1 = time.perf_counter()
                 report({"v": v, "i": i})
                 inside.append(time.perf_counter() - t1)
+        if g is not None:
+            v.block_until_ready()  # the phase ends when its last step does
         return time.perf_counter() - t0, time.process_time() - c0
 
     ratios: list[float] = []  # reported / bare, per pair
@@ -393,11 +389,12 @@ def _block_replica_exchange(marker: str) -> None:
     writer._put_replica = stuck
 
 
-def _hold(marker: str, timeout_s: float = 120.0) -> None:
-    """Waits (at most ``timeout_s``) until ``marker`` exists: the test decides when this host goes on."""
+def _hold(marker: str, timeout_s: float = 120.0) -> bool:
+    """Waits (at most ``timeout_s``) until the file ``marker`` exists; returns whether it does."""
     deadline = time.monotonic() + timeout_s
     while not os.path.exists(marker) and time.monotonic() < deadline:
         time.sleep(0.05)
+    return os.path.exists(marker)
 
 
 def ram_loop(config: dict) -> None:

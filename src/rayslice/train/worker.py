@@ -479,12 +479,11 @@ def report(metrics: Mapping[str, Any], checkpoint: Any = None) -> None:
         _freeze_heap()  # what the compile or the first save left behind stays: keep it out of full collections
     s.step, s.first = step, False
     s.last = end
-    if computing:
-        record[_RAW] = True
-    s.reports.append(record)
     in_flight = s.in_flight
     if computing:
+        record[_RAW] = True
         in_flight.append(clean)
+    s.reports.append(record)
     while in_flight and _is_ready(in_flight[0]):
         in_flight.pop(0)
     if len(in_flight) > _MAX_STEPS_IN_FLIGHT:
