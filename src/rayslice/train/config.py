@@ -352,7 +352,12 @@ class FailureConfig:
             every ``min(0.25, heartbeat_timeout_s / 4)`` s) stops for this long
             is lost: the attempt ends as a preemption at once, without waiting
             for Ray to declare its node dead (15 s or more with Ray's
-            production health checks).
+            production health checks). The beat comes from a Python thread,
+            so it needs the host process's GIL: on a host whose CPUs are
+            oversubscribed (the simulator on a 2-core machine, many processes
+            at once) a first checkpoint's imports and compiles can hold it off
+            for most of a second; raise the timeout there, or a busy host is
+            taken for a lost one.
         step_timeout_s: A host that is alive but completes no step for this
             long is hung (a stuck collective): the attempt ends with outcome
             ``timeout``, counted against ``max_failures``. None (default): not
