@@ -221,3 +221,132 @@ def run(requests_n: int = 200, seconds: float = 5.0, clients: int = 8, rounds: i
         res[f"{name}_p50_rounds_ms"] = diff
     res["rounds"] = rounds
     return res
+
+
+def _noop(*_: Any) -> int:
+    return 1
+
+
+def _host_compute(calls: int, x: dict[str, np.ndarray]) -> float:
+    """Runs on each slice host: the median time (ms) of the model on one batch, called in a tight loop."""
+    from rayslice.serve import host
+
+    times = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        np.asarray(host._gather(host._MODEL(x)))
+        times.append(time.perf_counter() - t0)
+    return 1000 * statistics.median(times)
+
+
+def parts(calls: int = 200, rounds: int = 5) -> dict[str, Any]:
+    """Where a slice request's added latency goes, without Serve or HTTP (driver-side Ray calls).
+
+    Needs a connected simulated cluster with a free v4 2x2x2 slice and one
+    more free v4 host. In ``rounds`` interleaved rounds of ``calls`` calls
+    each (median per round; the result is the median round and [min, max]):
+
+    * ``noop_actor`` - a no-op call to a plain actor (the hop alone);
+    * ``noop_slice`` - a no-op packed call to both slice hosts, until host 0 answers;
+    * ``model_actor`` - the model in one plain actor on one host (4 devices): the forward floor's call;
+    * ``model_slice`` - ``rayslice.serve.host.infer`` on both hosts, until host 0 answers: the slice's step;
+    * ``model_host0`` - the same call sent to host 0 only (host 1 idle; valid
+      for this model only: no collective, so host 0 needs no peer);
+    * ``compute_*_ms`` - the model alone in a tight loop on a host (both slice hosts
+      at once; the plain actor alone).
+
+    ``model_slice - model_host0`` is what host 1 running its copy of the step
+    at the same time costs host 0 here (two simulated hosts share the
+    machine's cores; a real host has its own); ``model_host0 - model_actor``
+    is what rayslice's path to host 0 costs over a plain actor call.
+    """
+    import ray
+    from ray import cloudpickle
+
+    from rayslice.gang import CONTROL_GROUP, SliceGang
+    from rayslice.placement import slice_placement_group
+    from rayslice.serve import host
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # hosts cannot import benchmarks/
+    x = {"x": np.ones((1, 8), np.float32)}
+
+    @ray.remote(num_cpus=0, resources={"TPU": 4})
+    class ModelActor:
+        def __init__(self) -> None:
+            self.model = MLP()
+            self.model.setup()
+
+        def run(self, batch: dict[str, np.ndarray]) -> np.ndarray:
+            return np.asarray(self.model(batch))
+
+        def noop(self) -> int:
+            return 1
+
+        def compute(self, n: int) -> float:
+            times = []
+            for _ in range(n):
+                t0 = time.perf_counter()
+                np.asarray(self.model(x))
+                times.append(time.perf_counter() - t0)
+            return 1000 * statistics.median(times)
+
+    def timed(call: Any) -> float:
+        times = []
+        for _ in range(calls):
+            t0 = time.perf_counter()
+            call()
+            times.append(time.perf_counter() - t0)
+        return 1000 * statistics.median(times)
+
+    with slice_placement_group("2x2x2", "TPU-V4", progress=False) as spg:
+        gang = SliceGang(spg, actor_options={"max_concurrency": 2, "concurrency_groups": {CONTROL_GROUP: 1}}).start()
+        actor = ModelActor.remote()
+        try:
+            gang.run(host.setup_model, MLP, (), {}, "parts", timeout_s=120)
+            ray.get(actor.noop.remote(), timeout=120)
+            cases = {
+                "noop_actor": lambda: ray.get(actor.noop.remote()),
+                "noop_slice": lambda: ray.get(gang.run_async_packed(_noop, x, 1)[0]),
+                "model_actor": lambda: ray.get(actor.run.remote(x)),
+                "model_slice": lambda: ray.get(gang.run_async_packed(host.infer, x, 1)[0]),
+                "model_host0": lambda: ray.get(gang.run_async_on([0], host.infer, x, 1)[0]),
+            }
+            for call in cases.values():  # warm-up: compile, connections
+                for _ in range(20):
+                    call()
+            per_round: dict[str, list[float]] = {k: [] for k in (*cases, "compute_slice_ms", "compute_actor_ms")}
+            for _ in range(rounds):
+                for name, call in cases.items():
+                    per_round[name].append(timed(call))
+                    ray.get(gang.run_async(_noop))  # host 1's calls done before the next case
+                per_round["compute_slice_ms"].append(max(gang.run(_host_compute, calls, x, timeout_s=120)))
+                per_round["compute_actor_ms"].append(ray.get(actor.compute.remote(calls)))
+        finally:
+            ray.kill(actor)
+            gang.shutdown()
+
+    def spread(values: list[float]) -> dict[str, Any]:
+        return {"median_ms": statistics.median(values), "spread_ms": (min(values), max(values))}
+
+    out: dict[str, Any] = {k: spread(v) for k, v in per_round.items()}
+    for name, a, b in (
+        ("host1_costs_host0", "model_slice", "model_host0"),
+        ("path_to_host0", "model_host0", "model_actor"),
+        ("slice_vs_actor", "model_slice", "model_actor"),
+    ):
+        out[name] = spread([p - q for p, q in zip(per_round[a], per_round[b])])
+    out.update(calls=calls, rounds=rounds)
+    return out
+
+
+if __name__ == "__main__":
+    import json
+
+    if sys.argv[1:2] == ["parts"]:  # python benchmarks/bench_serve.py parts [calls=N] [rounds=N]
+        from rayslice.sim import SimulatedCluster, SliceSpec
+
+        kw = {k: int(v) for k, v in (a.split("=") for a in sys.argv[2:])}
+        with SimulatedCluster([SliceSpec("TPU-V4", "2x2x2", name="bench-a"), SliceSpec("TPU-V4", "2x2x2")]):
+            print(json.dumps(parts(**kw)))
+    else:
+        sys.exit("usage: python benchmarks/bench_serve.py parts [calls=N] [rounds=N]")
