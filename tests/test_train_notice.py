@@ -190,16 +190,21 @@ def plain_run(notice_slices, tmp_path_factory):
 _CFG = {"rows": 96, "every": 4, "sleep_s": 0.2}  # 12 steps per run
 
 
-def _run(sim, slices, tmp_path, name, grace_s, **extra):
+def _run(sim, slices, tmp_path, name, grace_s, committed=None, **extra):
     import rayslice
     from rayslice.train import JaxTrainer, RunConfig, ScalingConfig
+    from rayslice.train.checkpoint import checkpoints_dir, latest_complete_step, run_dir
 
     from . import train_loops
 
     fired = []
+    root = checkpoints_dir(run_dir(str(tmp_path), name))
 
     def notify_at_step_5(report):
-        if report["step"] >= 5 and not fired:
+        # With ``committed``: not before that step's checkpoint is complete (a first save, with its imports
+        # and compiles, can take longer than a step on the loaded 2-core machine).
+        ready = committed is None or (latest_complete_step(root) or 0) >= committed
+        if report["step"] >= 5 and not fired and ready:
             busy = [s.name for s in rayslice.list_slices() if s.name in slices and s.state == "busy"]
             fired.append((busy[0], report["step"]))
             sim.notify_preemption(busy[0], 1, grace_s=grace_s)
@@ -252,7 +257,9 @@ def test_a_notice_followed_by_a_kill_before_the_save_falls_back_to_the_last_chec
     from .test_train import _no_actors_left, _restore_in_separate_process
 
     # Step 6 of attempt 1 takes 3 s: the host is killed (0.2 s after its notice) before that boundary's save.
-    r, fired = _run(ray_cluster, notice_slices, tmp_path, "too-late", grace_s=0.2, slow_after=5, slow_s=3.0)
+    r, fired = _run(
+        ray_cluster, notice_slices, tmp_path, "too-late", grace_s=0.2, committed=4, slow_after=5, slow_s=3.0
+    )
     assert r.error is None, r.error
     assert fired and (r.attempts, r.preemptions) == (2, 1)
     end = r.goodput.endings[0]

@@ -59,6 +59,67 @@ def test_first_record_gets_a_grace_and_finished_hosts_are_never_lost():
     assert HeartbeatMonitor(2, 1.0, None, clock=clock).check() is None  # a fresh monitor starts its own grace
 
 
+@given(silence=st.floats(0, 30), timeout=st.floats(0.2, 5), answers=st.booleans())
+def test_a_silent_host_whose_machine_answers_is_busy_until_the_live_grace(silence, timeout, answers):
+    clock, asked = _Clock(), []
+
+    def reachable(rank: int) -> bool:
+        asked.append(rank)
+        return answers
+
+    m = HeartbeatMonitor(2, timeout, None, clock=clock, reachable=reachable, live_grace_s=10.0)
+    m.observe({0: _beat(1, 0), 1: _beat(1, 0)})
+    clock.t = silence
+    m.observe({0: _beat(2, 0), 1: _beat(1, 0)})  # rank 1 is silent
+    v = m.check()
+    assert set(asked) <= {1} and (asked != []) == (silence > timeout)  # only an overdue host is probed
+    if silence <= timeout or (answers and silence <= 10.0):
+        assert v is None
+        assert (1 in m.spared) == (silence > timeout)
+    else:
+        assert v is not None and v.kind == "lost" and v.ranks == (1,) and v.silent_s == silence
+        assert v.answering == ((1,) if answers else ())
+        stuck = "its machine still answers" in v.message(timeout, None)
+        assert stuck == answers
+
+
+def test_the_first_record_is_not_probed_and_the_live_grace_is_at_least_the_timeout():
+    clock = _Clock()
+    m = HeartbeatMonitor(1, 1.0, None, clock=clock, reachable=lambda rank: True)
+    clock.t = 11.0
+    v = m.check()  # never beat: past the first-record grace, lost whatever its machine says
+    assert v is not None and v.ranks == (0,) and v.answering == ()
+    assert HeartbeatMonitor(1, 20.0, None, reachable=lambda rank: True, live_grace_s=5.0).live_grace_s == 20.0
+
+
+def test_node_probe_connects_to_the_raylet_port_and_reuses_answers_for_ttl():
+    import socket
+
+    from rayslice.train.liveness import NodeProbe
+
+    server = socket.create_server(("127.0.0.1", 0))
+    up = server.getsockname()[1]
+    closed = socket.create_server(("127.0.0.1", 0))
+    down = closed.getsockname()[1]
+    closed.close()  # nothing listens there now: refused, as a removed node's port
+    try:
+        clock = _Clock()
+        probe = NodeProbe({"up": ("127.0.0.1", up), "down": ("127.0.0.1", down)}, clock=clock)
+        assert probe("up") and not probe("down") and not probe("unknown")
+        assert probe.probes == 2  # an unknown node costs no connection
+        probe("up")
+        assert probe.probes == 2  # within ttl_s: the answer is reused
+        clock.t = 1.0
+        assert probe("up") and probe.probes == 3
+    finally:
+        server.close()
+
+    def refuse(address, timeout_s):
+        raise ConnectionRefusedError(address)
+
+    assert NodeProbe({"n": ("10.0.0.1", 1)}, connect=refuse)("n") is False
+
+
 def test_step_deadline_finds_the_hung_hosts_but_not_the_first_step_or_the_final_wait():
     clock = _Clock()
     m = HeartbeatMonitor(2, 1.0, 3.0, start_step=4, clock=clock)
@@ -349,6 +410,32 @@ _PRODUCTION = textwrap.dedent("""
                    groups=[g["name"] for g in ray.util.placement_group_table().values() if g["state"] != "REMOVED"])
     print(json.dumps(out))
 """)
+
+
+@pytest.mark.ray
+def test_a_host_holding_its_gil_past_the_heartbeat_timeout_is_busy_not_lost(ray_cluster, tmp_path, caplog):
+    # Host 1 holds its GIL for 2.5 s in one C call: no heartbeat for 2.5 s (timeout 1 s), its machine
+    # (its Ray node's raylet) answers all along. Taken for lost, the run would restart (a preemption).
+    from rayslice.train import JaxTrainer, RunConfig, ScalingConfig
+
+    from . import train_loops
+    from .test_train import _no_actors_left
+
+    with caplog.at_level("INFO", logger="rayslice.train.controller"):
+        result = JaxTrainer(
+            train_loops.hang_loop,
+            train_loop_config={"steps": 5, "hang_at": 3, "hold_gil_s": 2.5},
+            scaling_config=ScalingConfig(topology="2x2x2", accelerator_type="TPU-V4"),
+            run_config=RunConfig(
+                name="busy", storage_path=str(tmp_path), progress=False, failure_config=FailureConfig(max_preemptions=0)
+            ),
+        ).fit()
+    assert result.error is None, result.error
+    assert (result.attempts, result.preemptions, result.failures) == (1, 0, 0)
+    assert result.metrics["step_done"] == 5
+    said = [r.getMessage() for r in caplog.records if "is silent but its machine answers" in r.getMessage()]
+    assert said and "worker 1" in said[0], said
+    assert _no_actors_left() == []
 
 
 @pytest.mark.ray

@@ -362,7 +362,10 @@ def host_local_leaves_loop(config: dict) -> None:
 
 
 def hang_loop(config: dict) -> None:
-    """Every step is a barrier over all hosts; on attempt 1 one host hangs at ``hang_at`` (alive, no progress)."""
+    """Every step is a barrier over all hosts; on attempt 1 one host hangs at ``hang_at`` (alive, no progress).
+
+    With ``hold_gil_s``, that host instead holds its GIL that long (its heartbeat thread cannot run), then goes on.
+    """
     from jax.experimental import multihost_utils
 
     from rayslice.train import get_context, report
@@ -370,7 +373,12 @@ def hang_loop(config: dict) -> None:
     ctx = get_context()
     for step in range(1, config["steps"] + 1):
         if ctx.attempt == 1 and step == config["hang_at"] and ctx.world_rank == config.get("rank", 1):
-            time.sleep(600)  # a wedged host: its process stays alive, its peers wait in the collective
+            if config.get("hold_gil_s"):  # a busy host: one C call holds the GIL, no Python thread runs
+                import ctypes
+
+                ctypes.PyDLL(None).usleep(int(config["hold_gil_s"] * 1e6))  # PyDLL: called with the GIL held
+            else:
+                time.sleep(600)  # a wedged host: its process stays alive, its peers wait in the collective
         multihost_utils.sync_global_devices(f"step-{step}")
         report({"step_done": step, "attempt": ctx.attempt})
 

@@ -353,11 +353,11 @@ class FailureConfig:
             is lost: the attempt ends as a preemption at once, without waiting
             for Ray to declare its node dead (15 s or more with Ray's
             production health checks). The beat comes from a Python thread,
-            so it needs the host process's GIL: on a host whose CPUs are
-            oversubscribed (the simulator on a 2-core machine, many processes
-            at once) a first checkpoint's imports and compiles can hold it off
-            for most of a second; raise the timeout there, or a busy host is
-            taken for a lost one.
+            so a live process holding its GIL (a long C call, a garbage
+            collection, an oversubscribed machine) goes silent too: a silent
+            host whose machine still answers (a TCP connect to its Ray
+            node's raylet, see ``rayslice.train.liveness``) is given up to
+            ``LIVE_HOST_GRACE_S`` (10 s) before it is taken for lost.
         step_timeout_s: A host that is alive but completes no step for this
             long is hung (a stuck collective): the attempt ends with outcome
             ``timeout``, counted against ``max_failures``. None (default): not

@@ -56,6 +56,7 @@ from rayslice.train.heartbeat import (
     period_for,
     read_beats,
 )
+from rayslice.train.liveness import NodeProbe
 from rayslice.train.ramtier import RamTier, RestoreChoice
 from rayslice.train.result import Result, TrainRunContext
 from rayslice.train.worker import drain_reports, run_worker
@@ -426,8 +427,14 @@ class JaxTrainer:
                 host_info["ram"] = ram_info[rank] if ram_info else None
                 refs.append(actor.call.remote(run_worker, (self.train_fn, self.config, ctx, host_info, shards), {}))
             last_report = time.monotonic()
+            # A host silent past the timeout is lost unless its machine still answers (a busy process).
+            probe, contexts = NodeProbe(), gang.contexts
             monitor = HeartbeatMonitor(
-                len(refs), fc.heartbeat_timeout_s, fc.step_timeout_s, start_step=info["restore_step"] or 0
+                len(refs),
+                fc.heartbeat_timeout_s,
+                fc.step_timeout_s,
+                start_step=info["restore_step"] or 0,
+                reachable=lambda rank: probe(contexts[rank].node_id),
             )
             return self._watch(gang, refs, tracker, history, status, attempt, restarts, t0, monitor, keys)
         except _CallbackFailed:
@@ -661,6 +668,7 @@ class JaxTrainer:
 
         poll = _POLL_S
         period = period_for(fc.heartbeat_timeout_s)
+        told_busy: set[int] = set()  # the hosts spared for a busy process, said once
         while True:
             try:
                 drain(timeout=min(0.1, poll))
@@ -701,6 +709,15 @@ class JaxTrainer:
             verdict = monitor.check()
             if verdict is not None:
                 return detected(verdict)
+            for rank in monitor.spared.keys() - told_busy:
+                told_busy.add(rank)
+                logger.info(
+                    "attempt %d: %s is silent but its machine answers: a busy process (its GIL held), "
+                    "not a lost host; it is given up to %g s",
+                    attempt,
+                    where(rank),
+                    monitor.live_grace_s,
+                )
             # A host's beat is overdue: look again soon, so that a loss is declared close to
             # heartbeat_timeout_s after its last beat rather than up to a poll period later.
             poll = _QUICK_POLL_S if quietest() > 1.5 * period else _POLL_S

@@ -12,7 +12,11 @@ compared across machines: only *when the driver saw a record change*), which
 says:
 
 - **lost**: a host's record stopped changing for ``heartbeat_timeout_s``
-  (its process, or its VM, is gone; Ray may still list the node as alive);
+  (its process, or its VM, is gone; Ray may still list the node as alive).
+  Given a ``reachable`` check (the driver's is a
+  :class:`~rayslice.train.liveness.NodeProbe` of the host's machine), a silent
+  host whose machine still answers is given up to ``live_grace_s`` instead:
+  its process is alive but busy (holding its GIL), not lost;
 - **hung**: every host is alive but no step completed on some host for
   ``step_timeout_s`` (a stuck collective, a wedged device). The first step of
   an attempt (compile, restore) and the final checkpoint wait are not timed.
@@ -39,6 +43,8 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
+
+from rayslice.train.liveness import LIVE_HOST_GRACE_S
 
 logger = logging.getLogger(__name__)
 
@@ -214,6 +220,8 @@ class Verdict:
         silent_s: For "lost", how long the first of them has been silent; for
             "hung", how long no step has completed.
         step: For "hung", the step the stuck hosts last completed.
+        answering: For "lost", those of ``ranks`` whose machine still
+            answered (silent past the monitor's ``live_grace_s``: stuck, not gone).
         where: For "hung", per host of ``ranks``, where its training thread
             was at its last record (``"function (file:line)"``, ``" in JAX"``
             appended when it waits inside a JAX call), or None if not known.
@@ -226,6 +234,7 @@ class Verdict:
     silent_s: float
     step: int | None = None
     where: tuple[str | None, ...] = ()
+    answering: tuple[int, ...] = ()
 
     def message(
         self,
@@ -235,9 +244,14 @@ class Verdict:
     ) -> str:
         hosts = ", ".join(where(r) for r in self.ranks)
         if self.kind == "lost":
+            why = (
+                "its machine still answers, but the process is stuck (its Python threads cannot run)"
+                if self.answering and set(self.answering) == set(self.ranks)
+                else "the host process or its machine is gone"
+            )
             return (
                 f"{hosts} stopped sending heartbeats {self.silent_s:.1f} s ago (heartbeat_timeout_s="
-                f"{heartbeat_timeout_s:g}): the host process or its machine is gone"
+                f"{heartbeat_timeout_s:g}): {why}"
             )
         if len(self.where) == len(self.ranks):  # where each one is, the likely cause first
             spots = zip(self.ranks, self.where, strict=True)
@@ -259,6 +273,21 @@ class HeartbeatMonitor:
             hung (None: not checked).
         start_step: The step the attempt resumes from (its first step is not timed).
         clock: The driver's monotonic clock.
+        reachable: ``rank -> whether its machine still answers``, asked only
+            of a host silent beyond ``heartbeat_timeout_s``; None: silence alone decides.
+        live_grace_s: How long a silent host whose machine answers may stay
+            silent before it is lost anyway (at least ``heartbeat_timeout_s``).
+
+    Example:
+        >>> now = [0.0]
+        >>> m = HeartbeatMonitor(2, 1.0, None, clock=lambda: now[0], reachable=lambda rank: rank == 1)
+        >>> m.observe({0: {"seq": 1}, 1: {"seq": 1}})
+        >>> now[0] = 1.5
+        >>> m.check().ranks, m.spared            # rank 0's machine is gone; rank 1's answers: busy
+        ((0,), {1: 1.5})
+        >>> now[0] = 11.0
+        >>> m.check().ranks                      # past live_grace_s (10 s), busy or not
+        (0, 1)
     """
 
     def __init__(
@@ -268,10 +297,15 @@ class HeartbeatMonitor:
         step_timeout_s: float | None,
         start_step: int = 0,
         clock: Callable[[], float] = time.monotonic,
+        reachable: Callable[[int], bool] | None = None,
+        live_grace_s: float = LIVE_HOST_GRACE_S,
     ) -> None:
         self._clock = clock
         self.world_size = world_size
         self.heartbeat_timeout_s = heartbeat_timeout_s
+        self._reachable = reachable
+        self.live_grace_s = max(live_grace_s, heartbeat_timeout_s)
+        self.spared: dict[int, float] = {}  # rank -> its longest silence let pass because its machine answered
         self.step_timeout_s = step_timeout_s
         self.start_step = start_step
         now = clock()
@@ -307,17 +341,25 @@ class HeartbeatMonitor:
     def check(self) -> Verdict | None:
         """A :class:`Verdict` if a host is lost or the gang is hung, else None."""
         now = self._clock()
-        lost = []
+        lost, answering = [], []
         for rank in range(self.world_size):
             if rank in self.finished or self._phase.get(rank) == "done":
                 continue
             seen = self._seen.get(rank)
             limit = self.heartbeat_timeout_s if seen is not None else max(FIRST_BEAT_GRACE_S, self.heartbeat_timeout_s)
             since = now - (self._started if seen is None else seen)
-            if since > limit:
-                lost.append((rank, since))
+            if since <= limit:
+                continue
+            answers = seen is not None and self._reachable is not None and self._reachable(rank)
+            if answers and since <= self.live_grace_s:
+                if since > self.spared.get(rank, 0.0):
+                    self.spared[rank] = since
+                continue  # alive but busy (its GIL held off its heartbeat thread): not lost yet
+            lost.append((rank, since))
+            if answers:
+                answering.append(rank)
         if lost:
-            return Verdict("lost", tuple(r for r, _ in lost), max(s for _, s in lost))
+            return Verdict("lost", tuple(r for r, _ in lost), max(s for _, s in lost), answering=tuple(answering))
         if self.step_timeout_s is None:
             return None
         timed = {}
