@@ -56,7 +56,7 @@ from rayslice.train.heartbeat import (
     period_for,
     read_beats,
 )
-from rayslice.train.liveness import NodeProbe
+from rayslice.train.liveness import NodeProbe, raylet_addresses
 from rayslice.train.ramtier import RamTier, RestoreChoice
 from rayslice.train.result import Result, TrainRunContext
 from rayslice.train.worker import drain_reports, run_worker
@@ -428,13 +428,19 @@ class JaxTrainer:
                 refs.append(actor.call.remote(run_worker, (self.train_fn, self.config, ctx, host_info, shards), {}))
             last_report = time.monotonic()
             # A host silent past the timeout is lost unless its machine still answers (a busy process).
-            probe, contexts = NodeProbe(), gang.contexts
+            nodes = [c.node_id for c in gang.contexts]
+            probe = NodeProbe(raylet_addresses(nodes))  # read now, not when the GCS may be in trouble
+
+            def answering(ranks: Sequence[int]) -> set[int]:
+                up = probe.answering(nodes[r] for r in ranks)
+                return {r for r in ranks if nodes[r] in up}
+
             monitor = HeartbeatMonitor(
                 len(refs),
                 fc.heartbeat_timeout_s,
                 fc.step_timeout_s,
                 start_step=info["restore_step"] or 0,
-                reachable=lambda rank: probe(contexts[rank].node_id),
+                reachable=answering,
             )
             return self._watch(gang, refs, tracker, history, status, attempt, restarts, t0, monitor, keys)
         except _CallbackFailed:
@@ -618,7 +624,7 @@ class JaxTrainer:
                         monitor.observe(read_beats(keys))
                     except Exception:
                         break
-                    verdict = monitor.check()
+                    verdict = monitor.check(probe=False)  # a peer's error is evidence enough: silence decides
                     if verdict is not None and verdict.kind == "lost":
                         out = detected(verdict)
                         if out.error is not None:
@@ -656,7 +662,9 @@ class JaxTrainer:
                     for r in verdict.ranks:
                         suspect(r, silent=True)
                 else:
-                    self._lost_nodes.update(gang.contexts[r].node_id for r in verdict.ranks)  # their RAM stores too
+                    # Their RAM stores went with them, unless their machine answered (a stuck process: keep them).
+                    gone = [r for r in verdict.ranks if r not in verdict.answering]
+                    self._lost_nodes.update(gang.contexts[r].node_id for r in gone)
                     # Ray may list the node as alive for a while yet: reserve elsewhere if possible.
                     self._avoid = {gang.contexts[r].slice_name for r in verdict.ranks}
             else:

@@ -220,8 +220,9 @@ class Verdict:
         silent_s: For "lost", how long the first of them has been silent; for
             "hung", how long no step has completed.
         step: For "hung", the step the stuck hosts last completed.
-        answering: For "lost", those of ``ranks`` whose machine still
-            answered (silent past the monitor's ``live_grace_s``: stuck, not gone).
+        answering: For "lost", those of ``ranks`` whose machine answered
+            while they were silent (then silent past the monitor's
+            ``live_grace_s``: stuck, or dead on a live machine).
         where: For "hung", per host of ``ranks``, where its training thread
             was at its last record (``"function (file:line)"``, ``" in JAX"``
             appended when it waits inside a JAX call), or None if not known.
@@ -245,7 +246,8 @@ class Verdict:
         hosts = ", ".join(where(r) for r in self.ranks)
         if self.kind == "lost":
             why = (
-                "its machine still answers, but the process is stuck (its Python threads cannot run)"
+                f"its machine answered past the timeout but the process stayed silent for over {self.silent_s:.0f} s: "
+                "it is stuck (its Python threads cannot run) or dead"
                 if self.answering and set(self.answering) == set(self.ranks)
                 else "the host process or its machine is gone"
             )
@@ -273,14 +275,16 @@ class HeartbeatMonitor:
             hung (None: not checked).
         start_step: The step the attempt resumes from (its first step is not timed).
         clock: The driver's monotonic clock.
-        reachable: ``rank -> whether its machine still answers``, asked only
-            of a host silent beyond ``heartbeat_timeout_s``; None: silence alone decides.
+        reachable: ``ranks -> those whose machine still answers``, asked (once
+            per check, for all of them) only of hosts that have beaten at least
+            once, are silent beyond ``heartbeat_timeout_s`` and still within
+            ``live_grace_s``; None: silence alone decides.
         live_grace_s: How long a silent host whose machine answers may stay
             silent before it is lost anyway (at least ``heartbeat_timeout_s``).
 
     Example:
         >>> now = [0.0]
-        >>> m = HeartbeatMonitor(2, 1.0, None, clock=lambda: now[0], reachable=lambda rank: rank == 1)
+        >>> m = HeartbeatMonitor(2, 1.0, None, clock=lambda: now[0], reachable=lambda ranks: {1} & set(ranks))
         >>> m.observe({0: {"seq": 1}, 1: {"seq": 1}})
         >>> now[0] = 1.5
         >>> m.check().ranks, m.spared            # rank 0's machine is gone; rank 1's answers: busy
@@ -297,7 +301,7 @@ class HeartbeatMonitor:
         step_timeout_s: float | None,
         start_step: int = 0,
         clock: Callable[[], float] = time.monotonic,
-        reachable: Callable[[int], bool] | None = None,
+        reachable: Callable[[Sequence[int]], set[int]] | None = None,
         live_grace_s: float = LIVE_HOST_GRACE_S,
     ) -> None:
         self._clock = clock
@@ -338,28 +342,31 @@ class HeartbeatMonitor:
         """This host's training function returned: it stops beating on purpose."""
         self.finished.add(rank)
 
-    def check(self) -> Verdict | None:
-        """A :class:`Verdict` if a host is lost or the gang is hung, else None."""
+    def check(self, probe: bool = True) -> Verdict | None:
+        """A :class:`Verdict` if a host is lost or the gang is hung, else None.
+
+        ``probe=False``: silence alone decides (the caller already has other
+        evidence of a loss, e.g. a peer's collective failed).
+        """
         now = self._clock()
-        lost, answering = [], []
+        overdue = []  # (rank, silence, may be spared)
         for rank in range(self.world_size):
             if rank in self.finished or self._phase.get(rank) == "done":
                 continue
             seen = self._seen.get(rank)
             limit = self.heartbeat_timeout_s if seen is not None else max(FIRST_BEAT_GRACE_S, self.heartbeat_timeout_s)
             since = now - (self._started if seen is None else seen)
-            if since <= limit:
-                continue
-            answers = seen is not None and self._reachable is not None and self._reachable(rank)
-            if answers and since <= self.live_grace_s:
-                if since > self.spared.get(rank, 0.0):
-                    self.spared[rank] = since
-                continue  # alive but busy (its GIL held off its heartbeat thread): not lost yet
-            lost.append((rank, since))
-            if answers:
-                answering.append(rank)
+            if since > limit:
+                overdue.append((rank, since, seen is not None and since <= self.live_grace_s))
+        spareable = [r for r, _, ok in overdue if ok]
+        answers = self._reachable(spareable) if probe and spareable and self._reachable is not None else set()
+        for rank, since, _ in overdue:
+            if rank in answers:  # alive but busy (its GIL held off its heartbeat thread): not lost yet
+                self.spared[rank] = max(since, self.spared.get(rank, 0.0))
+        lost = [(r, since) for r, since, _ in overdue if r not in answers]
         if lost:
-            return Verdict("lost", tuple(r for r, _ in lost), max(s for _, s in lost), answering=tuple(answering))
+            answering = tuple(r for r, _ in lost if r in self.spared)  # answered while silent: stuck or dead since
+            return Verdict("lost", tuple(r for r, _ in lost), max(s for _, s in lost), answering=answering)
         if self.step_timeout_s is None:
             return None
         timed = {}

@@ -5,8 +5,9 @@ thread, so it needs the host process's GIL. A live process can hold the GIL
 off for over a second (a long C call such as JAX lowering, a garbage
 collection, an oversubscribed machine); a lost host's machine, by contrast,
 is gone. :class:`NodeProbe` tells the two apart without the process: it opens
-a TCP connection to the Ray node's raylet port (answered by the raylet, a C++
-process, whatever any Python process there is doing) and closes it at once.
+a TCP connection to the Ray node's raylet port (opened by the machine's kernel
+on the raylet's listening socket, whatever any Python process there is doing)
+and closes it at once.
 A preempted VM or a removed node refuses it (or lets it time out).
 
 The driver probes a host only once its heartbeat is overdue; a host whose
@@ -27,8 +28,9 @@ from __future__ import annotations
 
 import socket
 import time
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, cast
 
 #: A silent host whose machine still answers gets this long (since its last
 #: heartbeat) before it is taken for lost. A process that holds its GIL
@@ -40,33 +42,43 @@ def _connect(address: tuple[str, int], timeout_s: float) -> None:
     socket.create_connection(address, timeout=timeout_s).close()
 
 
-def _raylet_addresses() -> dict[str, tuple[str, int]]:
-    """Node id -> (ip, raylet port) of the nodes Ray lists as alive."""
-    import ray
+def raylet_addresses(node_ids: Iterable[str] | None = None) -> dict[str, tuple[str, int]] | None:
+    """Node id -> (ip, raylet port) of the nodes Ray lists as alive (of ``node_ids`` if given); None if unreadable."""
+    try:
+        import ray
 
+        nodes = ray.nodes()
+    except Exception:
+        return None
+    wanted = None if node_ids is None else set(node_ids)
     return {
         n["NodeID"]: (n["NodeManagerAddress"], int(n["NodeManagerPort"]))
-        for n in ray.nodes()
-        if n.get("Alive") and n.get("NodeManagerPort")
+        for n in nodes
+        if n.get("Alive") and n.get("NodeManagerPort") and (wanted is None or n["NodeID"] in wanted)
     }
 
 
 class NodeProbe:
     """Tells whether Ray nodes' machines answer, by a TCP connect to each node's raylet port.
 
+    A node that is not in ``addresses`` (unknown, or not alive when they were
+    read) does not answer. A connection that opens proves the machine is up
+    and the raylet's listening socket open (the kernel completes the
+    handshake), not that the raylet is healthy: enough to tell a busy process
+    from a machine that is gone.
+
     Args:
         addresses: Node id -> ``(ip, port)``; default: read from
-            ``ray.nodes()`` (alive nodes, raylet ports) on first use.
+            ``ray.nodes()`` (alive nodes, raylet ports) on first use (a failed
+            read counts as no node answering).
         timeout_s: The connect deadline: a VM gone without a reset lets a
-            connection time out instead of refusing it.
+            connection time out instead of refusing it. Several nodes are
+            probed in parallel, so a call waits at most about this long.
         ttl_s: How long an answer is reused (the driver polls often while a
             beat is overdue).
         connect: Opens and closes one connection, raising ``OSError`` when
             it fails (tests inject it).
         clock: A monotonic clock.
-
-    A node that is not in ``addresses`` (unknown, or not alive when they were
-    read) does not answer.
     """
 
     def __init__(
@@ -84,30 +96,36 @@ class NodeProbe:
         self._connect = connect
         self._clock = clock
         self._answers: dict[str, tuple[float, bool]] = {}
-        self.probes = 0  # connections attempted (for tests and logs)
+        self.probes = 0  # connections attempted
 
     def __call__(self, node_id: str) -> bool:
         """Whether ``node_id``'s machine answered (now, or within ``ttl_s``)."""
+        return node_id in self.answering([node_id])
+
+    def answering(self, node_ids: Iterable[str]) -> set[str]:
+        """Those of ``node_ids`` whose machine answered (now, or within ``ttl_s``); probed in parallel."""
         now = self._clock()
-        seen = self._answers.get(node_id)
-        if seen is not None and now - seen[0] < self.ttl_s:
-            return seen[1]
-        if self._addresses is None:
-            try:
-                self._addresses = _raylet_addresses()
-            except Exception:  # Ray is unreachable from here: no answer from anywhere
-                return False
-        address = self._addresses.get(node_id)
-        answered = False
-        if address is not None:
-            self.probes += 1
-            try:
-                self._connect(address, self.timeout_s)
-                answered = True
-            except OSError:
-                answered = False
-        self._answers[node_id] = (self._clock(), answered)
-        return answered
+        wanted = set(node_ids)
+        fresh = {n: seen[1] for n in wanted if (seen := self._answers.get(n)) and now - seen[0] < self.ttl_s}
+        if self._addresses is None:  # read once; unreadable: no node answers
+            self._addresses = raylet_addresses() or {}
+        stale = sorted(wanted - fresh.keys())
+        todo = [n for n in stale if n in self._addresses]
+        new = dict.fromkeys(stale, False)  # an unknown node does not answer
+        if todo:
+            self.probes += len(todo)
+            with ThreadPoolExecutor(max_workers=len(todo)) as pool:
+                new.update(zip(todo, pool.map(self._answers_one, todo), strict=True))
+        stamp = self._clock()
+        self._answers.update({n: (stamp, ok) for n, ok in new.items()})
+        return {n for n, ok in {**fresh, **new}.items() if ok}
+
+    def _answers_one(self, node_id: str) -> bool:
+        try:
+            self._connect(cast(dict, self._addresses)[node_id], self.timeout_s)
+            return True
+        except OSError:
+            return False
 
 
-__all__ = ["LIVE_HOST_GRACE_S", "NodeProbe"]
+__all__ = ["LIVE_HOST_GRACE_S", "NodeProbe", "raylet_addresses"]
