@@ -101,9 +101,19 @@ def _plain_deployment() -> Any:
     return PlainMLP.bind()
 
 
-def _forward_deployment() -> Any:
+def _median_ms(call: Any, n: int) -> float:
+    """The median wall time of ``n`` calls of ``call()``, in ms."""
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - t0)
+    return 1000 * statistics.median(times)
+
+
+def _model_host() -> Any:
+    """The Ray actor class holding the model on one simulated host (4 devices): the forward floor's model."""
     import ray
-    from ray import serve
 
     @ray.remote(num_cpus=0, resources={"TPU": 4})
     class ModelHost:
@@ -114,10 +124,25 @@ def _forward_deployment() -> Any:
         def run(self, x: np.ndarray) -> np.ndarray:
             return np.asarray(self.model({"x": x}))
 
+        def noop(self) -> int:
+            return 1
+
+        def compute(self, n: int, x: np.ndarray) -> float:
+            """The model alone on one batch, in a tight loop: median ms."""
+            return _median_ms(lambda: self.run(x), n)
+
+    return ModelHost
+
+
+def _forward_deployment() -> Any:
+    from ray import serve
+
+    model_host = _model_host()
+
     @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=64)
     class ForwardMLP:
         def __init__(self) -> None:
-            self.host = ModelHost.remote()
+            self.host = model_host.remote()
 
         @serve.batch(**BATCH)
         async def run(self, xs: list[np.ndarray]) -> list[list[float]]:
@@ -231,12 +256,7 @@ def _host_compute(calls: int, x: dict[str, np.ndarray]) -> float:
     """Runs on each slice host: the median time (ms) of the model on one batch, called in a tight loop."""
     from rayslice.serve import host
 
-    times = []
-    for _ in range(calls):
-        t0 = time.perf_counter()
-        np.asarray(host._gather(host._MODEL(x)))
-        times.append(time.perf_counter() - t0)
-    return 1000 * statistics.median(times)
+    return _median_ms(lambda: np.asarray(host._gather(host._MODEL(x))), calls)
 
 
 def parts(calls: int = 200, rounds: int = 5) -> dict[str, Any]:
@@ -270,44 +290,16 @@ def parts(calls: int = 200, rounds: int = 5) -> dict[str, Any]:
     cloudpickle.register_pickle_by_value(sys.modules[__name__])  # hosts cannot import benchmarks/
     x = {"x": np.ones((1, 8), np.float32)}
 
-    @ray.remote(num_cpus=0, resources={"TPU": 4})
-    class ModelActor:
-        def __init__(self) -> None:
-            self.model = MLP()
-            self.model.setup()
-
-        def run(self, batch: dict[str, np.ndarray]) -> np.ndarray:
-            return np.asarray(self.model(batch))
-
-        def noop(self) -> int:
-            return 1
-
-        def compute(self, n: int) -> float:
-            times = []
-            for _ in range(n):
-                t0 = time.perf_counter()
-                np.asarray(self.model(x))
-                times.append(time.perf_counter() - t0)
-            return 1000 * statistics.median(times)
-
-    def timed(call: Any) -> float:
-        times = []
-        for _ in range(calls):
-            t0 = time.perf_counter()
-            call()
-            times.append(time.perf_counter() - t0)
-        return 1000 * statistics.median(times)
-
     with slice_placement_group("2x2x2", "TPU-V4", progress=False) as spg:
         gang = SliceGang(spg, actor_options={"max_concurrency": 2, "concurrency_groups": {CONTROL_GROUP: 1}}).start()
-        actor = ModelActor.remote()
+        actor = _model_host().remote()
         try:
             gang.run(host.setup_model, MLP, (), {}, "parts", timeout_s=120)
             ray.get(actor.noop.remote(), timeout=120)
             cases = {
                 "noop_actor": lambda: ray.get(actor.noop.remote()),
                 "noop_slice": lambda: ray.get(gang.run_async_packed(_noop, x, 1)[0]),
-                "model_actor": lambda: ray.get(actor.run.remote(x)),
+                "model_actor": lambda: ray.get(actor.run.remote(x["x"])),
                 "model_slice": lambda: ray.get(gang.run_async_packed(host.infer, x, 1)[0]),
                 "model_host0": lambda: ray.get(gang.run_async_on([0], host.infer, x, 1)[0]),
             }
@@ -317,10 +309,10 @@ def parts(calls: int = 200, rounds: int = 5) -> dict[str, Any]:
             per_round: dict[str, list[float]] = {k: [] for k in (*cases, "compute_slice_ms", "compute_actor_ms")}
             for _ in range(rounds):
                 for name, call in cases.items():
-                    per_round[name].append(timed(call))
+                    per_round[name].append(_median_ms(call, calls))
                     ray.get(gang.run_async(_noop))  # host 1's calls done before the next case
                 per_round["compute_slice_ms"].append(max(gang.run(_host_compute, calls, x, timeout_s=120)))
-                per_round["compute_actor_ms"].append(ray.get(actor.compute.remote(calls)))
+                per_round["compute_actor_ms"].append(ray.get(actor.compute.remote(calls, x["x"])))
         finally:
             ray.kill(actor)
             gang.shutdown()

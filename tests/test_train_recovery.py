@@ -97,6 +97,20 @@ def test_a_host_spared_then_silent_past_the_grace_is_lost_as_stuck_or_dead():
     v = m.check()
     assert v is not None and v.ranks == (1,) and v.answering == (1,)
     assert "stuck" in v.message(1.0, None) and "is gone" not in v.message(1.0, None)
+    # Spared once, then its machine stops answering within the grace: gone, not stuck (its node is lost).
+    up = {1}
+    m = HeartbeatMonitor(2, 1.0, None, clock=clock, reachable=lambda ranks: up & set(ranks), live_grace_s=5.0)
+    clock.t = 0.0
+    m.observe({0: _beat(1, 0), 1: _beat(1, 0)})
+    clock.t = 2.0
+    m.observe({0: _beat(2, 0), 1: _beat(1, 0)})  # rank 0 keeps beating
+    assert m.check() is None and 1 in m.spared
+    up.clear()
+    clock.t = 3.0
+    m.observe({0: _beat(3, 0), 1: _beat(1, 0)})
+    v = m.check()
+    assert v is not None and v.ranks == (1,) and v.answering == ()
+    assert "is gone" in v.message(1.0, None)
 
 
 def test_the_first_record_is_not_probed_and_the_live_grace_is_at_least_the_timeout():

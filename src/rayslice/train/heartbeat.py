@@ -365,7 +365,9 @@ class HeartbeatMonitor:
                 self.spared[rank] = max(since, self.spared.get(rank, 0.0))
         lost = [(r, since) for r, since, _ in overdue if r not in answers]
         if lost:
-            answering = tuple(r for r, _ in lost if r in self.spared)  # answered while silent: stuck or dead since
+            # Answered while silent, then silent past the grace (not probed again): stuck, or dead on a live
+            # machine. One that answered before but not now (its machine went since) is simply gone.
+            answering = tuple(r for r, since in lost if r in self.spared and since > self.live_grace_s)
             return Verdict("lost", tuple(r for r, _ in lost), max(s for _, s in lost), answering=answering)
         if self.step_timeout_s is None:
             return None
