@@ -313,17 +313,20 @@ def test_the_first_report_and_first_save_freeze_the_heap_out_of_full_collections
     from rayslice.train import worker
 
     with _one_host_session(tmp_path):
+        # Frozen objects freed by reference counting leave the frozen count (CI saw it drop by 6 in one
+        # step), so the checks allow for that: a freeze would add the 1000 junk lists at once.
         worker.report({"i": 1})
         first = gc.get_freeze_count()
         assert first > 0
         junk = [[i] for i in range(1000)]  # noqa: F841 - tracked objects made after the first step
         worker.report({"i": 2})
-        assert gc.get_freeze_count() == first  # a step that saves nothing freezes nothing
+        before_save = gc.get_freeze_count()
+        assert before_save < first + 500  # a step that saves nothing freezes nothing
         d = tmp_path / "dir-ckpt"
         d.mkdir()
         (d / "x").write_text("")
         worker.report({"i": 3}, checkpoint=worker.Checkpoint.from_directory(str(d)))
-        assert gc.get_freeze_count() > first  # the first save
+        assert gc.get_freeze_count() >= before_save + 1000  # the first save froze the junk lists too
 
 
 # -- properties: bad values of every config field ------------------------------------
