@@ -197,6 +197,75 @@ def overhead_row(o: dict[str, Any], goal: float) -> tuple[str, ...]:
     )
 
 
+def report_cost(rounds: int = 5, steps: int = 600, step_ms: float = 3.5) -> dict[str, Any]:
+    """What report() costs the step's thread, warm and right after a CPU step (no Ray: one process).
+
+    The per-step overhead rows time report() inside the loop at ~90-120 us,
+    while the same call in a tight loop takes a few microseconds. This tells
+    the two apart in one process: each variant runs right after a jitted step
+    of about ``step_ms`` (the overhead rows' chain of small matmuls, the
+    host's thread waiting for it) and again at once after itself ("warm"), in
+    interleaved rounds (median of the round medians, [min, max]). "read" is
+    the one thing report() must do on the step's thread for a computed jax
+    metric: read its value (``np.asarray(v).tolist()``), before a later step
+    can donate the buffer; "nothing" is an empty timed region.
+    """
+    import pathlib
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    sys.path.insert(0, __file__.rsplit("/", 2)[0])
+    from tests import train_loops
+
+    from rayslice.train import worker
+
+    w = jnp.full((128, 128), 0.01, jnp.float32)
+    x = jnp.ones((32, 128), jnp.float32)
+
+    def step_of(size: int) -> Any:
+        f = jax.jit(lambda a: jax.lax.fori_loop(0, size, lambda _, a: jnp.tanh(a @ w), a).mean())
+        f(x).block_until_ready()
+        return f
+
+    size, f = 100, step_of(100)
+    for _ in range(3):  # calibrate the step's length
+        t0 = time.perf_counter()
+        for _ in range(20):
+            f(x).block_until_ready()
+        size = max(1, round(size * step_ms / (1000 * (time.perf_counter() - t0) / 20)))
+        f = step_of(size)
+    variants: dict[str, Any] = {
+        "report": lambda v, i: worker.report({"v": v, "i": i}),
+        "read": lambda v, i: np.asarray(v).tolist(),
+        "nothing": lambda v, i: None,
+    }
+    medians: dict[str, list[float]] = {f"{k} {when}": [] for k in variants for when in ("after a step", "warm")}
+    with tempfile.TemporaryDirectory(prefix="rs-bench-") as run, train_loops.one_host_session(pathlib.Path(run)):
+        for _ in range(rounds):
+            times: dict[str, list[float]] = {k: [] for k in medians}
+            for i in range(steps):
+                name, call = list(variants.items())[i % len(variants)]
+                v = f(x)
+                v.block_until_ready()
+                t0 = time.perf_counter()
+                call(v, i)
+                t1 = time.perf_counter()
+                call(v, i)
+                t2 = time.perf_counter()
+                times[f"{name} after a step"].append(t1 - t0)
+                times[f"{name} warm"].append(t2 - t1)
+                if i % 64 == 0:
+                    worker.drain_reports()
+            for k, ts in times.items():
+                medians[k].append(1e6 * statistics.median(ts))
+    out: dict[str, Any] = {"step_ms": step_ms, "size": size, "rounds": rounds}
+    for k, ms in medians.items():
+        out[k] = (statistics.median(ms), min(ms), max(ms))
+    return out
+
+
 def _one_preemption_run(name: str, accelerator_type: str, *, every: int, chaos: Any) -> Any:
     """A 160-row regression run on a 2x2x2 slice whose ``chaos`` callback preempts once; checks it recovered."""
     from tests import train_loops
@@ -790,6 +859,14 @@ if __name__ == "__main__":
         kinds = {"parts": str, "heartbeat_timeout_s": float, "ray_limit_s": float}
         kw: dict[str, Any] = {k: kinds.get(k, int)(v) for k, v in (a.split("=") for a in sys.argv[2:])}
         print(json.dumps(production(**kw)))
+        sys.exit(0)
+    if sys.argv[1:2] == ["report_cost"]:  # report() warm vs right after a CPU step, one process, no Ray
+        kw = {k: float(v) for k, v in (a.split("=") for a in sys.argv[2:])}
+        cost = report_cost(int(kw.get("rounds", 5)), int(kw.get("steps", 600)), kw.get("step_ms", 3.5))
+        print(f"step {cost['step_ms']:g} ms ({cost['size']} matmuls), {cost['rounds']} rounds; us: median [min, max]")
+        for k, v in cost.items():
+            if isinstance(v, tuple):
+                print(f"  {k:<22} {v[0]:7.1f}  [{v[1]:.1f}, {v[2]:.1f}]")
         sys.exit(0)
     if sys.argv[1:2] == ["overhead"]:  # the per-step overhead rows alone, on a cluster like make bench's
         from rayslice.sim import SimulatedCluster, SliceSpec

@@ -8,10 +8,7 @@ parameter; the property tests below count how many they tried
 from __future__ import annotations
 
 import collections
-import contextlib
 import math
-from collections.abc import Iterator
-from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -32,6 +29,8 @@ from rayslice.train import (
 from rayslice.train.controller import Result, fresh_run_name
 from rayslice.train.goodput import GoodputTracker
 from rayslice.train.worker import _plain
+
+from . import train_loops
 
 BAD_INPUTS_TRIED: collections.Counter[str] = collections.Counter()
 
@@ -248,44 +247,12 @@ def test_jax_metrics_become_python_values_of_their_own_type():
     assert type(plain["loss"]) is float and type(plain["n"]) is int and type(plain["v"][0]) is int
 
 
-@contextlib.contextmanager
-def _one_host_session(tmp_path: Any) -> Iterator[Any]:
-    """A worker session of a one-host attempt, outside Ray (report() and drain_reports() work on it).
-
-    The heap freeze the first report does (worker._freeze_heap) is undone on the way out: this is the
-    test process, not a host process.
-    """
-    import dataclasses
-    import gc
-
-    from rayslice.train import context, worker
-
-    fields = {f.name for f in dataclasses.fields(context.TrainContext)}
-    kw = {
-        "world_rank": 0, "world_size": 1, "slice_index": 0, "num_slices": 1, "worker_id": 0, "hosts_per_slice": 1,
-        "local_device_count": 1, "experiment_name": "x", "run_path": str(tmp_path), "attempt": 1, "slice_name": "s",
-        "local_rank": 0, "run_id": "r",
-    }  # fmt: skip
-    ctx = context.TrainContext(**{k: v for k, v in kw.items() if k in fields})
-    info = {"checkpoint_dir": str(tmp_path / "ckpt"), "restore_step": None, "num_to_keep": None, "async_save": True}
-    session = worker._Session(ctx, info, {})
-    worker._SESSION = session
-    gc.unfreeze()
-    try:
-        yield session
-    finally:
-        gc.unfreeze()
-        worker.wait_for_checkpoints()
-        session.sampler.stop()
-        worker._SESSION = None
-
-
 def test_reports_reach_the_drain_in_order_plain_or_still_computing(tmp_path):
     import jax.numpy as jnp
 
     from rayslice.train import worker
 
-    with _one_host_session(tmp_path) as session:
+    with train_loops.one_host_session(tmp_path) as session:
         worker.report({"loss": 1.0, "i": 1})  # plain already: handed over as they are
         worker.report({"loss": jnp.float32(0.5) * 2, "i": 2})  # a device value: plain by the drain at the latest
         with pytest.raises(InvalidArgument, match="string keys"):
@@ -312,7 +279,7 @@ def test_the_first_report_and_first_save_freeze_the_heap_out_of_full_collections
 
     from rayslice.train import worker
 
-    with _one_host_session(tmp_path):
+    with train_loops.one_host_session(tmp_path):
         # Frozen objects freed by reference counting leave the frozen count (CI saw it drop by 6 in one
         # step), so the checks allow for that: a freeze would add the 1000 junk lists at once.
         worker.report({"i": 1})

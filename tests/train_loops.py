@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import time
+from collections.abc import Iterator
+from typing import Any
 
 W_TRUE = (1.0, -2.0, 3.0, 0.5)
 
@@ -475,3 +478,36 @@ def ram_loop(config: dict) -> None:
     final = multihost_utils.process_allgather(state, tiled=True)
     digest = hashlib.sha256(b"".join(np.asarray(leaf).tobytes() for leaf in jax.tree.leaves(final))).hexdigest()
     report({"digest": digest, "leaves": len(jax.tree.leaves(final))})
+
+
+@contextlib.contextmanager
+def one_host_session(run_path: Any) -> Iterator[Any]:
+    """A worker session of a one-host attempt, outside Ray (report() and drain_reports() work on it).
+
+    For tests and benchmarks of the worker's side alone. The heap freeze the first report does
+    (``worker._freeze_heap``) is undone on the way out: this is the caller's process, not a host process.
+    """
+    import dataclasses
+    import pathlib
+
+    from rayslice.train import context, worker
+
+    run_path = pathlib.Path(run_path)
+    fields = {f.name for f in dataclasses.fields(context.TrainContext)}
+    kw = {
+        "world_rank": 0, "world_size": 1, "slice_index": 0, "num_slices": 1, "worker_id": 0, "hosts_per_slice": 1,
+        "local_device_count": 1, "experiment_name": "x", "run_path": str(run_path), "attempt": 1, "slice_name": "s",
+        "local_rank": 0, "run_id": "r",
+    }  # fmt: skip
+    ctx = context.TrainContext(**{k: v for k, v in kw.items() if k in fields})
+    info = {"checkpoint_dir": str(run_path / "ckpt"), "restore_step": None, "num_to_keep": None, "async_save": True}
+    session = worker._Session(ctx, info, {})
+    worker._SESSION = session
+    gc.unfreeze()
+    try:
+        yield session
+    finally:
+        gc.unfreeze()
+        worker.wait_for_checkpoints()
+        session.sampler.stop()
+        worker._SESSION = None

@@ -111,7 +111,7 @@ class _Session:
         self.last = self.started
         self.first = True
         self.agreement: Any = None  # a rayslice.train.notice.NoticeAgreement while notices are watched
-        self.decided: dict[int, bool] = {}
+        self.decided: tuple[int, bool] = (-1, False)  # (step, whether it is the agreed emergency-save step)
         self.stopped: dict[str, Any] | None = None  # the notice this host stopped on
         self.warned_no_tree = False
         self.saved_once = False  # a report has saved a tree or directory (see _freeze_heap)
@@ -307,9 +307,11 @@ def _checkpointable(tree: Any) -> Any:
 
 def _save_decision(s: _Session, step: int) -> bool:
     """Whether ``step`` is the agreed step of an emergency save (the same answer on every host)."""
-    if step not in s.decided:
-        s.decided = {step: s.agreement.claim(step) if s.agreement is not None else False}
-    return s.decided[step]
+    if s.agreement is None:
+        return False
+    if s.decided[0] != step:
+        s.decided = (step, s.agreement.claim(step))
+    return s.decided[1]
 
 
 def _ram_step(s: _Session, step: int) -> bool:
@@ -368,8 +370,11 @@ def report(metrics: Mapping[str, Any], checkpoint: Any = None) -> None:
         InvalidArgument: bad metrics, a missing checkpoint directory, a leaf
             Orbax cannot save (named by its path), or a missing score metric.
     """
-    s = _session()
-    if not isinstance(metrics, Mapping):
+    # On the step's path: right after a step the host's thread runs cold (its
+    # caches taken by the step; 5-10x slower than in a tight loop), so the
+    # usual metrics (plain numbers, jax scalars) take the shortest path.
+    s = _SESSION if _SESSION is not None else _session()
+    if type(metrics) is not dict and not isinstance(metrics, Mapping):
         raise fail("metrics", metrics, "a dict with string keys", got_type=True)
     now = time.perf_counter()
     step = s.step + 1
@@ -379,11 +384,21 @@ def report(metrics: Mapping[str, Any], checkpoint: Any = None) -> None:
     # the driver's drain converts them later.
     clean: dict[str, Any] = {}
     computing = False
+    jax_types = _JAX_ARRAY_TYPES or _jax_array_types()
     for k, v in metrics.items():
         if type(k) is not str and not isinstance(k, str):
             raise fail("metrics", metrics, "a dict with string keys")
-        if type(v) in _PLAIN_TYPES:
+        kind_of = type(v)
+        if kind_of in _PLAIN_TYPES:
             clean[k] = v
+        elif kind_of in jax_types:  # the usual metric: a jax scalar, computed or not
+            if v.is_ready():
+                try:
+                    clean[k] = np.asarray(v).tolist()  # its host buffer as numpy first: a third of tolist()'s cost
+                except Exception:
+                    clean[k] = v
+            else:
+                clean[k], computing = v, True
         elif _is_ready(v):
             clean[k] = _plain(v)
         else:
