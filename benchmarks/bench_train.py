@@ -242,6 +242,7 @@ def report_cost(rounds: int = 5, steps: int = 600, step_ms: float = 3.5) -> dict
         "nothing": lambda v, i: None,
     }
     medians: dict[str, list[float]] = {f"{k} {when}": [] for k in variants for when in ("after a step", "warm")}
+    bare: list[float] = []
     with tempfile.TemporaryDirectory(prefix="rs-bench-") as run, train_loops.one_host_session(pathlib.Path(run)):
         for _ in range(rounds):
             times: dict[str, list[float]] = {k: [] for k in medians}
@@ -260,10 +261,30 @@ def report_cost(rounds: int = 5, steps: int = 600, step_ms: float = 3.5) -> dict
                     worker.drain_reports()
             for k, ts in times.items():
                 medians[k].append(1e6 * statistics.median(ts))
-    out: dict[str, Any] = {"step_ms": step_ms, "size": size, "rounds": rounds}
+            t0 = time.perf_counter()
+            for _ in range(50):
+                f(x).block_until_ready()
+            bare.append(1e6 * (time.perf_counter() - t0) / 50)
+    step_us = statistics.median(bare)
+    out: dict[str, Any] = {"step_ms": step_us / 1000, "size": size, "rounds": rounds}
     for k, ms in medians.items():
         out[k] = (statistics.median(ms), min(ms), max(ms))
+    out["share_after_a_step"] = out["report after a step"][0] / step_us  # of the step it follows
     return out
+
+
+def report_cost_row(cost: dict[str, Any]) -> tuple[str, ...]:
+    """The table row of one :func:`report_cost` measurement (information: what the step's thread pays)."""
+    after, warm = cost["report after a step"], cost["report warm"]
+    return (
+        f"report() on the step's thread, right after a {cost['step_ms']:.1f} ms CPU step / warm "
+        f"(one process, {cost['rounds']} rounds; median [min, max])",
+        f"{after[0]:.0f} us [{after[1]:.0f}, {after[2]:.0f}] / {warm[0]:.1f} us",
+        f"an empty timed region after a step: {cost['nothing after a step'][0]:.1f} us",
+        f"{100 * cost['share_after_a_step']:.2f}% of the step",
+        "(info)",
+        "",
+    )
 
 
 def _one_preemption_run(name: str, accelerator_type: str, *, every: int, chaos: Any) -> Any:
@@ -863,10 +884,11 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["report_cost"]:  # report() warm vs right after a CPU step, one process, no Ray
         kw = {k: float(v) for k, v in (a.split("=") for a in sys.argv[2:])}
         cost = report_cost(int(kw.get("rounds", 5)), int(kw.get("steps", 600)), kw.get("step_ms", 3.5))
-        print(f"step {cost['step_ms']:g} ms ({cost['size']} matmuls), {cost['rounds']} rounds; us: median [min, max]")
+        print(f"step {cost['step_ms']:.2f} ms ({cost['size']} matmuls), {cost['rounds']} rounds; us: median [min, max]")
         for k, v in cost.items():
             if isinstance(v, tuple):
                 print(f"  {k:<22} {v[0]:7.1f}  [{v[1]:.1f}, {v[2]:.1f}]")
+        print(json.dumps(cost))  # the last line: what make bench reads
         sys.exit(0)
     if sys.argv[1:2] == ["overhead"]:  # the per-step overhead rows alone, on a cluster like make bench's
         from rayslice.sim import SimulatedCluster, SliceSpec

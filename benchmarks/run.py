@@ -104,7 +104,8 @@ def main() -> int:
         "bench_elastic.py",
         f"rounds={args.elastic_rounds}",
     )
-    if data is None or prod is None or elastic is None:
+    cost = _own_process(console, "report() on the step's thread (own process, no Ray)", "bench_train.py", "report_cost")
+    if data is None or prod is None or elastic is None or cost is None:
         return 1
 
     t.add_row(
@@ -212,6 +213,7 @@ def main() -> int:
     )
     for over, goal in overs:
         t.add_row(*bench_train.overhead_row(over, goal))
+    t.add_row(*bench_train.report_cost_row(cost))
     sl, pl = srv["slice"], srv["plain"]
     t.add_row(
         "serve p50 / p99 latency, 1-row HTTP requests",
