@@ -71,23 +71,32 @@ def test_status_shows_slices_and_reservations(ray_cluster):
     ):
         # Both slices are now taken: a second reservation waits, and status shows it.
         errors: list[BaseException] = []
+        # The waiter waits until the test has seen it (each `rayslice status` is a new process that imports
+        # Ray: seconds on a loaded machine), then its clock jumps past its deadline and it times out.
+        seen = threading.Event()
+
+        def clock() -> float:
+            return time.monotonic() + (1e6 if seen.is_set() else 0.0)
 
         def waiter() -> None:
             try:
-                rayslice.slice_placement_group("2x2x2", "TPU-V4", name="waiting-job", timeout_s=12, progress=False)
+                rayslice.slice_placement_group(
+                    "2x2x2", "TPU-V4", name="waiting-job", timeout_s=120, progress=False, clock=clock
+                )
             except ReservationTimeout as e:
                 errors.append(e)
 
         thread = threading.Thread(target=waiter)
         thread.start()
         try:
-            deadline = time.monotonic() + 10
+            deadline = time.monotonic() + 90
             while time.monotonic() < deadline:
                 out = run("status", "--address", ray_cluster.address)
                 assert out.returncode == 0, out.stderr
                 if "waiting-job" in out.stdout:
                     break
         finally:
+            seen.set()
             thread.join(timeout=30)
     assert "waiting-job" in out.stdout and "waiting" in out.stdout
     assert "held-job" in out.stdout and "created" in out.stdout

@@ -117,6 +117,8 @@ def test_every_path_yields_the_same_batches(ragged, kw):
         for k in a:
             np.testing.assert_array_equal(a[k], b[k])
     assert it.state()["finished"]
+    if it._thread.ident is not None:  # a started thread may still be returning after queueing its end marker
+        it._thread.join(10)
     assert it._thread.is_alive() is False
 
 

@@ -13,7 +13,7 @@ import pytest
 from rayslice import SlicePlacementGroup, run_on_slice, slice_placement_group
 from rayslice.errors import InvalidArgument, NoMatchingSlice
 
-from .conftest import SLICE_A, SLICE_B, live_groups
+from .conftest import SLICE_A, SLICE_B, live_groups, wait_free
 
 pytestmark = pytest.mark.ray
 
@@ -191,6 +191,7 @@ def test_resources_no_host_can_hold_fail_fast_with_the_reason(ray_cluster):
 
 
 def test_timeout_zero_takes_a_free_slice_and_extra_resources_are_held(ray_cluster):
+    wait_free(SLICE_A, SLICE_B)  # timeout_s=0 takes only a slice free now: not one Ray still shows busy
     with slice_placement_group("2x2x2", "v4", timeout_s=0, resources_per_host={"CPU": 1}, progress=False) as spg:
         assert spg.bundle_resources == {"TPU": 4.0, "CPU": 1.0}
         assert spg.request.resources_per_host == {"CPU": 1.0}

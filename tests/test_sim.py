@@ -130,7 +130,12 @@ def test_preempt_and_add_slice_are_reflected(ray_cluster):
     worker = psutil.Process(pid)
     sim.preempt_host(name, 1, wait=False)
     gone = Deadline(0.5)  # SIGKILLed with the node; on its own the worker would linger about a second
-    while worker.is_running() and worker.status() != psutil.STATUS_ZOMBIE:
+    while True:
+        try:
+            if not worker.is_running() or worker.status() == psutil.STATUS_ZOMBIE:
+                break
+        except psutil.NoSuchProcess:  # reaped between the two reads
+            break
         gone.sleep_or_raise(0.01, "the host's worker process outlived its host")
     ray_sees = Deadline(30)
     while (s := {x.name: x for x in rayslice.list_slices()}[name]).state != "incomplete":

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -25,11 +26,21 @@ V4 = ScalingConfig(topology="2x2x2", accelerator_type="TPU-V4", init_timeout_s=1
 V5P = ScalingConfig(topology="2x2x2", accelerator_type="TPU-V5P", init_timeout_s=120)
 
 
-def _no_actors_left():
+def _no_actors_left(timeout_s: float = 30.0):
+    """Gang processes still alive once ``timeout_s`` has passed without them all gone (``[]``: none left).
+
+    ``ray.kill`` returns before the GCS actor table says DEAD (the warm spares are killed last), so the
+    table is read until it is empty or the deadline passes.
+    """
     # The GCS actor table (the state API would need the dashboard).
     from ray._private.state import actors
 
-    return [a for a in actors().values() if a["State"] == "ALIVE" and "_HostProcess" in a.get("ActorClassName", "")]
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = [a for a in actors().values() if a["State"] == "ALIVE" and "_HostProcess" in a.get("ActorClassName", "")]
+        if not left or time.monotonic() >= deadline:
+            return left
+        time.sleep(0.1)
 
 
 def _restore_in_separate_process(checkpoint_dir: str) -> dict:
