@@ -137,7 +137,9 @@ def test_preemption_mid_run_gives_bitwise_identical_params(ray_cluster, chaos_sl
 
     trainer = JaxTrainer(
         train_loops.regression_loop,
-        train_loop_config=cfg,
+        # Attempt 1 slows down after step 6 (sleep only: the same numbers), so that the kill the driver
+        # fires on seeing step 6 lands long before the run's end on a loaded machine.
+        train_loop_config={**cfg, "slow_after": 6, "slow_s": 0.6},
         scaling_config=V5P,
         datasets=datasets,
         run_config=RunConfig(

@@ -233,7 +233,9 @@ def _run(sim, slices, tmp_path, name, grace_s, committed=None, **extra):
 def test_a_notice_saves_at_the_next_step_and_the_restart_loses_no_step(ray_cluster, notice_slices, plain_run, tmp_path):
     from .test_train import _no_actors_left, _restore_in_separate_process
 
-    r, fired = _run(ray_cluster, notice_slices, tmp_path, "noticed", grace_s=30)
+    # Attempt 1 slows down after step 5 (sleep only): the notice the driver sends on seeing step 5 lands
+    # long before the run's end on a loaded machine.
+    r, fired = _run(ray_cluster, notice_slices, tmp_path, "noticed", grace_s=30, slow_after=5, slow_s=1.0)
     assert r.error is None, r.error
     assert fired and (r.attempts, r.preemptions, r.failures) == (2, 1, 0)
     end = r.goodput.endings[0]
