@@ -236,18 +236,18 @@ def report_cost(rounds: int = 5, steps: int = 600, step_ms: float = 3.5) -> dict
             f(x).block_until_ready()
         size = max(1, round(size * step_ms / (1000 * (time.perf_counter() - t0) / 20)))
         f = step_of(size)
-    variants: dict[str, Any] = {
-        "report": lambda v, i: worker.report({"v": v, "i": i}),
-        "read": lambda v, i: np.asarray(v).tolist(),
-        "nothing": lambda v, i: None,
-    }
-    medians: dict[str, list[float]] = {f"{k} {when}": [] for k in variants for when in ("after a step", "warm")}
+    variants: list[tuple[str, Any]] = [
+        ("report", lambda v, i: worker.report({"v": v, "i": i})),
+        ("read", lambda v, i: np.asarray(v).tolist()),
+        ("nothing", lambda v, i: None),
+    ]
+    medians: dict[str, list[float]] = {f"{k} {when}": [] for k, _ in variants for when in ("after a step", "warm")}
     bare: list[float] = []
     with tempfile.TemporaryDirectory(prefix="rs-bench-") as run, train_loops.one_host_session(pathlib.Path(run)):
         for _ in range(rounds):
             times: dict[str, list[float]] = {k: [] for k in medians}
             for i in range(steps):
-                name, call = list(variants.items())[i % len(variants)]
+                name, call = variants[i % len(variants)]
                 v = f(x)
                 v.block_until_ready()
                 t0 = time.perf_counter()

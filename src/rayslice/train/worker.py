@@ -171,10 +171,7 @@ def _plain(v: Any) -> Any:
     if type(v) in _PLAIN_TYPES or isinstance(v, bool | int | float | str):  # subclasses too (e.g. IntEnum)
         return v
     if type(v) in _jax_array_types():  # the usual metric: a computed jax scalar
-        try:
-            return np.asarray(v).tolist()  # its host buffer as numpy first: a third of Array.tolist()'s cost
-        except Exception:
-            return v
+        return _read_jax(v)
     if isinstance(v, Mapping):
         return {k: _plain(x) for k, x in v.items()}
     if isinstance(v, list | tuple):
@@ -186,6 +183,14 @@ def _plain(v: Any) -> Any:
         except Exception:
             return v
     return v  # anything else travels as itself (pickled by Ray)
+
+
+def _read_jax(v: Any) -> Any:
+    """A computed ``jax.Array`` as plain Python (itself if it cannot be read)."""
+    try:
+        return np.asarray(v).tolist()  # its host buffer as numpy first: a third of Array.tolist()'s cost
+    except Exception:
+        return v
 
 
 _JAX_ARRAY_TYPES: frozenset[type] = frozenset()
@@ -393,10 +398,7 @@ def report(metrics: Mapping[str, Any], checkpoint: Any = None) -> None:
             clean[k] = v
         elif kind_of in jax_types:  # the usual metric: a jax scalar, computed or not
             if v.is_ready():
-                try:
-                    clean[k] = np.asarray(v).tolist()  # its host buffer as numpy first: a third of tolist()'s cost
-                except Exception:
-                    clean[k] = v
+                clean[k] = _read_jax(v)
             else:
                 clean[k], computing = v, True
         elif _is_ready(v):
