@@ -127,10 +127,15 @@ def test_preemption_mid_run_gives_bitwise_identical_params(ray_cluster, chaos_sl
     ).fit()
     assert plain.error is None, plain.error
 
+    from rayslice.train.checkpoint import checkpoints_dir, latest_complete_step, run_dir
+
     fired = []
+    root = checkpoints_dir(run_dir(str(tmp_path), "chaos"))
 
     def preempt_at_step_6(report):
-        if report["step"] >= 6 and not fired:
+        # Not before step 4's checkpoint is complete: the first save (imports, compiles) can take longer
+        # than a few steps on a loaded machine, and the test is about resuming from a checkpoint.
+        if report["step"] >= 6 and not fired and (latest_complete_step(root) or 0) >= 4:
             busy = [s.name for s in rayslice.list_slices() if s.name in chaos_slices and s.state == "busy"]
             fired.append(busy[0])
             ray_cluster.preempt_host(busy[0], 1)
