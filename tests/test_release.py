@@ -170,6 +170,9 @@ def test_quiet_ray_filters_notices_and_restores_everything(monkeypatch, capsys, 
     from rayslice.sim import _QuietRay
 
     monkeypatch.delenv("RAY_DATA_LOGGING_CONFIG", raising=False)
+    # Ray's log deduplicator is process-wide: lines an earlier test's simulator printed (e.g. a lost
+    # host's one-line summary) would come back here as "[repeated 2x across cluster]" plus Ray's hint.
+    monkeypatch.setattr(ray_worker.stdout_deduplicator, "recent", {})
     original = ray_worker.print_to_stdstream
     quiet = _QuietRay(str(tmp_path)).install()
     try:
