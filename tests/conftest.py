@@ -37,10 +37,28 @@ def sim() -> Iterator[SimulatedCluster]:
         head_cpus=2,
     )
     cluster.start()
+    _pack_ray_data_tasks()
     try:
         yield cluster
     finally:
         cluster.shutdown()
+
+
+def _pack_ray_data_tasks() -> None:
+    """Ray Data's tasks fill a node before using the next one, instead of Ray Data's SPREAD.
+
+    Every simulated node runs on the same two cores, so spreading a dataset's tasks over ten nodes
+    only starts a pool of worker processes on each (measured: the first ``materialize`` of
+    ``range(320).map_batches(f)`` on the test cluster took 34 s with 28 worker processes started,
+    4.8 s with 11). Ray marks this setting deprecated, hence the warning filter.
+    """
+    import warnings
+
+    import ray.data
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ray.data.DataContext.get_current().scheduling_strategy = "DEFAULT"
 
 
 @pytest.fixture
