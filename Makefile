@@ -24,7 +24,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/pytest
 
-# Pure tests and doctests only (no Ray cluster): seconds.
+# Tests that do not need the session cluster, and the doctests: about two minutes.
 test-fast: $(STAMP)
 	$(BIN)/pytest -m "not ray"
 
