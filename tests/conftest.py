@@ -15,6 +15,9 @@ import os
 # Set before anything imports JAX; Ray worker processes get their own settings.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+# Ray's log deduplicator holds repeats of a driver notice back and prints them later, inside whichever
+# test (or doctest, comparing stdout exactly) runs then: in one long test process, print them when they come.
+os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 from collections.abc import Iterator
 
 import pytest

@@ -189,3 +189,34 @@ def test_ray_dataset_and_its_data_iterators(ray_cluster):
     shard = ds.streaming_split(1)[0]
     seen = [i for b in iter_jax_batches(shard, batch_size=8, drop_last=True) for i in np.asarray(b["id"]).tolist()]
     assert sorted(seen) == list(range(40))
+
+
+@pytest.mark.ray
+def test_a_materialized_dataset_is_read_from_its_blocks_like_rays_iterator(ray_cluster):
+    import ray
+
+    from rayslice.data._rebatch import _is_materialized, host_batches
+
+    def cols(b):
+        return {"id": b["id"], "x": np.stack([b["id"]] * 3, axis=1).astype(np.float32), "y": b["id"] * 2}
+
+    lazy = ray.data.range(103, override_num_blocks=7).map_batches(cols)
+    stored = lazy.materialize()  # in the order its blocks completed
+    assert _is_materialized(stored) and not _is_materialized(lazy)
+    # The rows in the order Ray's own iterator gives them (the stored order), in batches of exactly batch_size.
+    order = [i for b in stored.iter_batches(batch_size=None, batch_format="numpy") for i in b["id"].tolist()]
+    assert sorted(order) == list(range(103))
+    for skip in (0, 5, 30, 101):  # resuming mid-block, across whole blocks, in the last block
+        got = list(host_batches(stored, 8, skip_rows=skip))
+        assert [len(b["id"]) for b in got[:-1]] == [8] * (len(got) - 1)
+        assert [i for b in got for i in b["id"].tolist()] == order[skip:]
+        assert all((b["x"][:, 2] == b["id"]).all() and (b["y"] == 2 * b["id"]).all() for b in got)
+    assert [sorted(b) for b in host_batches(stored, 50, columns=["y", "id"])] == [["id", "y"]] * 3
+    # Equal splits (how the trainer shards a dataset over hosts) hold slices of blocks: only their rows are read.
+    parts = stored.split(3, equal=True)
+    read = [[i for b in host_batches(p, 4) for i in b["id"].tolist()] for p in parts]
+    assert [len(r) for r in read] == [34, 34, 34] and sorted(i for r in read for i in r) == list(range(102))
+    assert read == [[i for b in host_batches(p.map_batches(lambda b: b), 4) for i in b["id"].tolist()] for p in parts]
+    # Through the feeder, on devices.
+    got = [np.asarray(b["id"]).tolist() for b in iter_jax_batches(stored, batch_size=8, drop_last=True)]
+    assert [i for b in got for i in b] == order[:96]

@@ -206,7 +206,7 @@ def test_gpu_benchmark_reports_no_gpu_cleanly_without_starting_anything(capsys):
     import os
     import sys
 
-    if os.path.exists("/dev/nvidiactl"):
+    if os.path.exists("/dev/nvidiactl") or os.path.exists("/proc/driver/nvidia"):  # what the benchmark checks
         pytest.skip("a GPU host: the benchmark would measure")
     path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "bench_data.py")
     spec = importlib.util.spec_from_file_location("bench_data_under_test", path)

@@ -86,7 +86,10 @@ class _Metadata(http.server.BaseHTTPRequestHandler):
         pass
 
 
-def test_gce_metadata_maintenance_event_is_a_notice():
+def test_gce_metadata_maintenance_event_is_a_notice(monkeypatch):
+    # The first GET decides "reachable" within 1 s; a loaded machine's local server gets more.
+    get = NoticeSources._get
+    monkeypatch.setattr(NoticeSources, "_get", lambda self, path, timeout: get(self, path, max(timeout, 10.0)))
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Metadata)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     url = f"http://127.0.0.1:{server.server_address[1]}/computeMetadata/v1"

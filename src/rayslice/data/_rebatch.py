@@ -183,6 +183,51 @@ def check_source(source: Any) -> None:
         )
 
 
+def _is_materialized(source: Any) -> bool:
+    return type(source).__name__ == "MaterializedDataset" and hasattr(source, "iter_internal_ref_bundles")
+
+
+def _stored_blocks(ds: Any, columns: Sequence[str] | None, skip_rows: int, lookahead: int) -> Iterator[Batch]:
+    """A materialized Dataset's blocks, in order, read straight from the object store.
+
+    Its blocks already exist: Ray Data's iterator (an executor, a formatting
+    thread pool, a reorder buffer) costs a pass 5-10 ms to start and ~1 ms per
+    block, which this path does not pay (measured: one 512 MB block 0.8 ms vs
+    8-10 ms; 32 blocks 4-8 ms vs 31-44 ms). Blocks are fetched ``lookahead``
+    at a time (one ``ray.get``, so pulls from other nodes run in parallel);
+    ``skip_rows`` (resuming) skips whole blocks by their metadata, unfetched.
+    The numpy conversion is Ray's own (``batch_format="numpy"``), as on the
+    iterator path, so both paths give the same arrays in the same order.
+    """
+    import ray
+    from ray.data.block import BlockAccessor
+
+    todo: list[tuple[Any, Any]] = []
+    for bundle in ds.iter_internal_ref_bundles():
+        parts = getattr(bundle, "slices", None) or (None,) * len(bundle.blocks)
+        for entry, part in zip(bundle.blocks, parts):
+            rows = entry.metadata.num_rows if part is None else part.end_offset - part.start_offset
+            if not todo and skip_rows and rows is not None and skip_rows >= rows:  # a prefix of whole blocks
+                skip_rows -= rows
+                continue
+            todo.append((entry.ref, part))
+    step = max(1, lookahead)
+    for i in range(0, len(todo), step):
+        group = todo[i : i + step]
+        for block, (_, part) in zip(ray.get([ref for ref, _ in group]), group):
+            acc = BlockAccessor.for_block(block)
+            if part is not None:
+                acc = BlockAccessor.for_block(acc.slice(part.start_offset, part.end_offset, copy=False))
+            if columns is not None:
+                acc = BlockAccessor.for_block(acc.select(list(columns)))
+            batch = to_numpy_batch(acc.to_batch_format("numpy"), None)
+            if skip_rows:
+                cut = min(skip_rows, _rows(batch))
+                skip_rows -= cut
+                batch = {k: v[cut:] for k, v in batch.items()}
+            yield batch
+
+
 def host_batches(
     source: Any,
     batch_size: int,
@@ -197,14 +242,19 @@ def host_batches(
 ) -> Iterator[Batch]:
     """Exact-size host batches from ``source`` (see module docstring).
 
-    From Ray Data, blocks are read as they are in the object store
-    (``batch_size=None``: Ray neither slices nor concatenates them) and cut
+    From Ray Data, blocks are read as they are in the object store (a
+    materialized Dataset's straight from it, see :func:`_stored_blocks`;
+    otherwise ``iter_batches(batch_size=None)``: Ray neither slices nor
+    concatenates them) and cut
     here: a batch inside one block is a zero-copy view of the store's
     (64-byte aligned) memory; a batch spanning blocks is written piece by
     piece into one buffer from ``alloc`` (the feeder's staging buffers).
     With a local shuffle, Ray shuffles and rows arrive ``fetch_batches``
     batches at a time. ``skip_rows`` (resuming) skips whole blocks unconverted.
     """
+    if _is_ray_source(source) and shuffle_buffer is None and _is_materialized(source):
+        yield from _rebatch(_stored_blocks(source, columns, skip_rows, ray_prefetch_batches), batch_size, 0, alloc)
+        return
     if _is_ray_source(source):
         ds = source
         if columns is not None and hasattr(ds, "select_columns"):
