@@ -103,9 +103,34 @@ def test_interrupt_while_waiting_leaves_nothing(ray_cluster):
 
     with busy_host(SLICE_A, 0), busy_host(SLICE_B, 0):
         with pytest.raises(KeyboardInterrupt):
-            rayslice.slice_placement_group("2x2x2", "TPU-V4", timeout_s=30, progress=False, sleep=interrupting_sleep)
+            rayslice.slice_placement_group(
+                "2x2x2", "TPU-V4", timeout_s=30, progress=False, sleep=interrupting_sleep, name="interrupted"
+            )
     assert calls and live_groups(placement.PG_NAME_PREFIX) == []
-    assert placement.waiting_reservations() == []
+    # (Only this test's entry: another process may be waiting, or have died waiting, meanwhile.)
+    assert [w for w in placement.waiting_reservations() if w["name"] == "interrupted"] == []
+
+
+def test_a_waiting_entry_its_driver_stopped_refreshing_is_dropped(ray_cluster, monkeypatch):
+    import json
+
+    from ray.experimental.internal_kv import _internal_kv_get, _internal_kv_put
+
+    from rayslice import _progress
+
+    info = {"name": "fresh", "request": "1 x v4 2x2x2", "since_s": 4.0}
+    _progress.publish_waiting("fresh", info)
+    # A driver killed while it waited: its last refresh was long ago, and nothing will withdraw it.
+    dead = {**info, "name": "dead", "published_at": 0.0}
+    dead_key = _progress._WAITING_KV_PREFIX + b"dead"
+    _internal_kv_put(dead_key, json.dumps(dead).encode(), namespace=_progress._KV_NAMESPACE)
+    try:
+        (fresh,) = [w for w in placement.waiting_reservations() if w["name"] in ("fresh", "dead")]
+        assert fresh["name"] == "fresh" and fresh["since_s"] >= 4.0  # its wait, counted up to now
+        assert _internal_kv_get(dead_key, namespace=_progress._KV_NAMESPACE) is None  # deleted
+    finally:
+        _progress.publish_waiting("fresh", None)
+    assert [w for w in placement.waiting_reservations() if w["name"] == "fresh"] == []
 
 
 def test_lost_race_is_replanned(ray_cluster, monkeypatch):

@@ -18,6 +18,9 @@ logger = logging.getLogger(__name__)
 
 _WAITING_KV_PREFIX = b"rayslice/waiting/"
 _KV_NAMESPACE = b"rayslice"
+#: A waiting driver republishes every few seconds (``WaitDisplay``'s ``publish_every_s``); an entry
+#: not refreshed for this long belongs to a process that died while it waited (killed, its node lost).
+STALE_AFTER_S = 30.0
 
 
 class WaitDisplay:
@@ -78,6 +81,7 @@ class WaitDisplay:
 
 
 def publish_waiting(name: str, info: dict[str, Any] | None) -> None:
+    """Publishes (or, with None, withdraws) a waiting reservation, stamped with the time it was written."""
     from ray.experimental.internal_kv import _internal_kv_del, _internal_kv_put
 
     key = _WAITING_KV_PREFIX + name.encode()
@@ -85,18 +89,33 @@ def publish_waiting(name: str, info: dict[str, Any] | None) -> None:
         if info is None:
             _internal_kv_del(key, namespace=_KV_NAMESPACE)
         else:
-            _internal_kv_put(key, json.dumps(info).encode(), overwrite=True, namespace=_KV_NAMESPACE)
+            stamped = {**info, "published_at": time.time()}
+            _internal_kv_put(key, json.dumps(stamped).encode(), overwrite=True, namespace=_KV_NAMESPACE)
     except Exception:  # status is best effort; never fail a reservation over it
         logger.debug("could not publish waiting state", exc_info=True)
 
 
-def waiting_reservations() -> list[dict[str, Any]]:
-    """Reservations currently waiting for slices (published by every waiting driver)."""
-    from ray.experimental.internal_kv import _internal_kv_get, _internal_kv_list
+def waiting_reservations(stale_after_s: float = STALE_AFTER_S) -> list[dict[str, Any]]:
+    """Reservations currently waiting for slices (published by every waiting driver).
+
+    An entry its driver has not refreshed for ``stale_after_s`` is left over
+    from a process that died while waiting: it is dropped from the answer and
+    deleted.
+    """
+    from ray.experimental.internal_kv import _internal_kv_del, _internal_kv_get, _internal_kv_list
 
     out = []
+    now = time.time()
     for key in _internal_kv_list(_WAITING_KV_PREFIX, namespace=_KV_NAMESPACE):
         raw = _internal_kv_get(key, namespace=_KV_NAMESPACE)
-        if raw:
-            out.append(json.loads(raw))
+        if not raw:
+            continue
+        info = json.loads(raw)
+        age = now - float(info.get("published_at", now))
+        if age > stale_after_s:
+            _internal_kv_del(key, namespace=_KV_NAMESPACE)
+            continue
+        if "since_s" in info:  # how long it has waited by now, not at its last refresh
+            info["since_s"] = float(info["since_s"]) + max(0.0, age)
+        out.append(info)
     return out
