@@ -212,11 +212,16 @@ def test_a_materialized_dataset_is_read_from_its_blocks_like_rays_iterator(ray_c
         assert [i for b in got for i in b["id"].tolist()] == order[skip:]
         assert all((b["x"][:, 2] == b["id"]).all() and (b["y"] == 2 * b["id"]).all() for b in got)
     assert [sorted(b) for b in host_batches(stored, 50, columns=["y", "id"])] == [["id", "y"]] * 3
-    # Equal splits (how the trainer shards a dataset over hosts) hold slices of blocks: only their rows are read.
+    # Equal splits: how the trainer shards a dataset over hosts (materialized datasets of their own).
     parts = stored.split(3, equal=True)
     read = [[i for b in host_batches(p, 4) for i in b["id"].tolist()] for p in parts]
     assert [len(r) for r in read] == [34, 34, 34] and sorted(i for r in read for i in r) == list(range(102))
     assert read == [[i for b in host_batches(p.map_batches(lambda b: b), 4) for i in b["id"].tolist()] for p in parts]
+    # Empty blocks (here without columns) are skipped, as Ray's iterator skips them; a missing column is named.
+    sparse = ray.data.range(20, override_num_blocks=4).map_batches(lambda b: b if b["id"][0] < 5 else {}).materialize()
+    assert [i for b in host_batches(sparse, 4) for i in b["id"].tolist()] == list(range(5))
+    with pytest.raises(InvalidArgument, match=r"columns=\['nope'\].*missing: \['nope'\]"):
+        list(host_batches(stored, 8, columns=["nope"]))
     # Through the feeder, on devices.
     got = [np.asarray(b["id"]).tolist() for b in iter_jax_batches(stored, batch_size=8, drop_last=True)]
     assert [i for b in got for i in b] == order[:96]

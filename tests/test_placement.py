@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -111,26 +112,36 @@ def test_interrupt_while_waiting_leaves_nothing(ray_cluster):
     assert [w for w in placement.waiting_reservations() if w["name"] == "interrupted"] == []
 
 
-def test_a_waiting_entry_its_driver_stopped_refreshing_is_dropped(ray_cluster, monkeypatch):
-    import json
+def test_the_wait_of_a_driver_that_died_waiting_is_dropped(ray_cluster):
+    import subprocess
+    import sys
 
-    from ray.experimental.internal_kv import _internal_kv_get, _internal_kv_put
+    from ray.experimental.internal_kv import _internal_kv_get
 
     from rayslice import _progress
+    from rayslice._deadline import Deadline
 
-    info = {"name": "fresh", "request": "1 x v4 2x2x2", "since_s": 4.0}
-    _progress.publish_waiting("fresh", info)
-    # A driver killed while it waited: its last refresh was long ago, and nothing will withdraw it.
-    dead = {**info, "name": "dead", "published_at": 0.0}
-    dead_key = _progress._WAITING_KV_PREFIX + b"dead"
-    _internal_kv_put(dead_key, json.dumps(dead).encode(), namespace=_progress._KV_NAMESPACE)
+    info = {"name": "alive", "request": "1 x v4 2x2x2", "since_s": 4.0}
+    _progress.publish_waiting("alive", info)
+    # Another driver publishes its wait and dies without withdrawing it (as when killed mid-wait).
+    code = (
+        "import os, ray; from rayslice import _progress; ray.init(address=os.environ['ADDR'], log_to_driver=False); "
+        "_progress.publish_waiting('died', {'name': 'died', 'request': '1 x v4 2x2x2', 'since_s': 1.0}); "
+        "os._exit(0)"
+    )
+    subprocess.run(
+        [sys.executable, "-c", code], env={**os.environ, "ADDR": ray_cluster.address}, check=True, timeout=120
+    )
+    key = _progress._WAITING_KV_PREFIX + b"died"
     try:
-        (fresh,) = [w for w in placement.waiting_reservations() if w["name"] in ("fresh", "dead")]
-        assert fresh["name"] == "fresh" and fresh["since_s"] >= 4.0  # its wait, counted up to now
-        assert _internal_kv_get(dead_key, namespace=_progress._KV_NAMESPACE) is None  # deleted
+        gone = Deadline(60)  # until the GCS notices the driver is gone
+        while any(w["name"] == "died" for w in placement.waiting_reservations()):
+            gone.sleep_or_raise(0.2, "the dead driver's wait is still listed")
+        assert _internal_kv_get(key, namespace=_progress._KV_NAMESPACE) is None  # and deleted
+        assert [w for w in placement.waiting_reservations() if w["name"] == "alive"] == [info]  # live: kept as is
     finally:
-        _progress.publish_waiting("fresh", None)
-    assert [w for w in placement.waiting_reservations() if w["name"] == "fresh"] == []
+        _progress.publish_waiting("alive", None)
+    assert [w for w in placement.waiting_reservations() if w["name"] == "alive"] == []
 
 
 def test_lost_race_is_replanned(ray_cluster, monkeypatch):

@@ -18,9 +18,6 @@ logger = logging.getLogger(__name__)
 
 _WAITING_KV_PREFIX = b"rayslice/waiting/"
 _KV_NAMESPACE = b"rayslice"
-#: A waiting driver republishes every few seconds (``WaitDisplay``'s ``publish_every_s``); an entry
-#: not refreshed for this long belongs to a process that died while it waited (killed, its node lost).
-STALE_AFTER_S = 30.0
 
 
 class WaitDisplay:
@@ -81,7 +78,8 @@ class WaitDisplay:
 
 
 def publish_waiting(name: str, info: dict[str, Any] | None) -> None:
-    """Publishes (or, with None, withdraws) a waiting reservation, stamped with the time it was written."""
+    """Publishes (or, with None, withdraws) a waiting reservation, with the job and actor that wait."""
+    import ray
     from ray.experimental.internal_kv import _internal_kv_del, _internal_kv_put
 
     key = _WAITING_KV_PREFIX + name.encode()
@@ -89,33 +87,54 @@ def publish_waiting(name: str, info: dict[str, Any] | None) -> None:
         if info is None:
             _internal_kv_del(key, namespace=_KV_NAMESPACE)
         else:
-            stamped = {**info, "published_at": time.time()}
-            _internal_kv_put(key, json.dumps(stamped).encode(), overwrite=True, namespace=_KV_NAMESPACE)
+            ctx = ray.get_runtime_context()
+            owner = {"job": ctx.get_job_id(), "actor": ctx.get_actor_id()}
+            _internal_kv_put(
+                key, json.dumps({**info, "owner": owner}).encode(), overwrite=True, namespace=_KV_NAMESPACE
+            )
     except Exception:  # status is best effort; never fail a reservation over it
         logger.debug("could not publish waiting state", exc_info=True)
 
 
-def waiting_reservations(stale_after_s: float = STALE_AFTER_S) -> list[dict[str, Any]]:
+def _owner_dead(owner: Any, jobs: dict[str, bool]) -> bool:
+    """True only when Ray's GCS says the waiting actor, or else the waiting job, is dead."""
+    from ray._private import state
+
+    try:
+        if owner.get("actor"):
+            return state.actors(actor_id=owner["actor"]).get("State") == "DEAD"
+        return jobs.get(owner.get("job") or "", False)
+    except Exception:  # unknown is alive: never hide a wait over a failed lookup
+        logger.debug("could not look up the owner of a waiting reservation", exc_info=True)
+        return False
+
+
+def waiting_reservations() -> list[dict[str, Any]]:
     """Reservations currently waiting for slices (published by every waiting driver).
 
-    An entry its driver has not refreshed for ``stale_after_s`` is left over
-    from a process that died while waiting: it is dropped from the answer and
-    deleted.
+    An entry whose process died while it waited (killed, its node lost: it
+    never withdrew it) is dropped from the answer and deleted, once Ray's GCS
+    reports its actor, or its job when it was not an actor, dead.
     """
+    from ray._private import state
     from ray.experimental.internal_kv import _internal_kv_del, _internal_kv_get, _internal_kv_list
 
     out = []
-    now = time.time()
+    jobs: dict[str, bool] | None = None
     for key in _internal_kv_list(_WAITING_KV_PREFIX, namespace=_KV_NAMESPACE):
         raw = _internal_kv_get(key, namespace=_KV_NAMESPACE)
         if not raw:
             continue
         info = json.loads(raw)
-        age = now - float(info.get("published_at", now))
-        if age > stale_after_s:
-            _internal_kv_del(key, namespace=_KV_NAMESPACE)
-            continue
-        if "since_s" in info:  # how long it has waited by now, not at its last refresh
-            info["since_s"] = float(info["since_s"]) + max(0.0, age)
+        owner = info.pop("owner", None)
+        if isinstance(owner, dict):
+            if jobs is None:
+                try:
+                    jobs = {j["JobID"]: bool(j["IsDead"]) for j in state.jobs()}
+                except Exception:
+                    jobs = {}
+            if _owner_dead(owner, jobs):
+                _internal_kv_del(key, namespace=_KV_NAMESPACE)
+                continue
         out.append(info)
     return out
