@@ -259,10 +259,11 @@ def host_batches(
     With a local shuffle, Ray shuffles and rows arrive ``fetch_batches``
     batches at a time. ``skip_rows`` (resuming) skips whole blocks unconverted.
     """
-    if _is_ray_source(source) and shuffle_buffer is None and _is_materialized(source):
-        yield from _rebatch(_stored_blocks(source, columns, skip_rows, ray_prefetch_batches), batch_size, 0, alloc)
-        return
     if _is_ray_source(source):
+        if shuffle_buffer is None and _is_materialized(source):
+            blocks = _stored_blocks(source, columns, skip_rows, ray_prefetch_batches)
+            yield from _rebatch(blocks, batch_size, 0, alloc)
+            return
         ds = source
         if columns is not None and hasattr(ds, "select_columns"):
             ds = ds.select_columns(list(columns))
