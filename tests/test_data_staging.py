@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from rayslice.data import FeederOptions, iter_jax_batches
 from rayslice.data._rebatch import host_batches
-from rayslice.data._staging import ALIGN, StagingRing, aligned_empty, is_aligned
+from rayslice.data._staging import ALIGN, AliasPool, StagingRing, aligned_empty, is_aligned
 from rayslice.errors import InvalidArgument
 
 
@@ -166,6 +166,48 @@ def test_cpu_batches_alias_fresh_aligned_staging_and_stay_intact():
     np.testing.assert_array_equal(ids, np.arange(sum(sizes)))
     for b in held:
         np.testing.assert_array_equal(np.asarray(b["x"])[:, 0], np.asarray(b["id"]).astype(np.float32))
+
+
+def test_alias_pool_lends_a_buffer_again_only_once_nothing_references_it():
+    pool = AliasPool(depth=2)
+    a = pool.alloc((64, 3), np.dtype("float32"))
+    a[:] = 1
+    view = a[10:20]  # a reader of part of it
+    ptr = a.ctypes.data
+    del a
+    b = pool.alloc((64, 3), np.dtype("float32"))
+    assert b.ctypes.data != ptr and float(view.sum()) == 30.0  # still read through the view: not lent
+    del view
+    c = pool.alloc((64, 3), np.dtype("float32"))
+    assert c.ctypes.data == ptr and is_aligned(c) and pool.reused == 1
+    assert pool.alloc((64, 4), np.dtype("float32")).ctypes.data not in (ptr, b.ctypes.data)  # per shape
+    x = jax.device_put(c)  # JAX aliases the aligned buffer on CPU: it references it as long as it lives
+    del c, b
+    assert pool.alloc((64, 3), np.dtype("float32")).ctypes.data != ptr
+    np.testing.assert_array_equal(np.asarray(x), np.ones((64, 3), np.float32))
+
+
+@pytest.mark.parametrize("pipeline", ["sync", "thread"])
+def test_cpu_staging_is_reused_once_batches_are_dropped_and_never_while_held(pipeline):
+    import random
+
+    sizes = [5, 7] * 60  # 720 rows; every batch of 16 spans blocks and is staged
+    rng = random.Random(0)
+    it = iter_jax_batches(blocks(sizes, width=16), batch_size=16, pipeline=pipeline, prefetch=2)
+    held = []
+    seen = 0
+    for b in it:
+        seen += 1
+        if rng.random() < 0.3:  # the consumer keeps some batches (a jax.Array aliasing its buffer)
+            held.append(b)
+        del b
+    pool = it._feeder._alias_pool
+    assert seen == 45 and pool.allocated + pool.reused == 45 * 2  # two staged columns per batch
+    assert pool.allocated < 45  # buffers of dropped batches were lent again
+    for b in held:  # ... and never one of a batch still held
+        np.testing.assert_array_equal(np.asarray(b["x"])[:, 0], np.asarray(b["id"]).astype(np.float32))
+        ids = np.asarray(b["id"])
+        np.testing.assert_array_equal(ids, np.arange(ids[0], ids[0] + 16))
 
 
 def test_pinned_staging_on_cpu_keeps_held_batches_intact():

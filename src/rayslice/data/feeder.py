@@ -54,7 +54,7 @@ from rayslice.data import _columns as cols
 from rayslice.data._agreement import RowAgreement, next_stream_id
 from rayslice.data._rebatch import Batch, check_source, host_batches
 from rayslice.data._sharding import batch_sharding, default_sharding
-from rayslice.data._staging import StagingRing, aligned_empty
+from rayslice.data._staging import AliasPool, StagingRing
 from rayslice.data._steps import Step, decide
 from rayslice.data.options import FeederOptions, Ragged, build_options, check_state
 
@@ -118,8 +118,10 @@ class _Feeder:
         self._index_maps: dict[tuple, list] = {}
         # Where a transfer must copy the host batch (accelerators), staging buffers are reused
         # once their device copy is done; CPU devices may alias them (for any memory kind),
-        # so there each batch gets a fresh one.
-        self._ring = StagingRing(o.prefetch + o.agree_window + 2) if _reuses_staging(self.platform) else None
+        # so there a buffer is reused only once nothing references it any more.
+        depth = o.prefetch + o.agree_window + 2
+        self._ring = StagingRing(depth) if _reuses_staging(self.platform) else None
+        self._alias_pool = AliasPool(depth) if self._ring is None else None
         self._batches, self._rows, self._finished = st["batches"], st["rows"], st["finished"]
         agree = self.process_count > 1 if o.agree is None else o.agree
         self._agreement = RowAgreement(next_stream_id(), o.agreement_timeout_s) if agree else None
@@ -135,7 +137,7 @@ class _Feeder:
             skip_rows=self._rows,
             shuffle_buffer=o.local_shuffle_buffer_size,
             shuffle_seed=o.local_shuffle_seed,
-            alloc=self._ring.alloc if self._ring is not None else aligned_empty,
+            alloc=self._ring.alloc if self._ring is not None else self._alias_pool.alloc,  # type: ignore[union-attr]
         )
         # CPU devices alias host memory (a batch on device costs no device memory), so the
         # consumer's next() transfers a few batches at once; elsewhere one at a time.
@@ -250,7 +252,7 @@ class _Feeder:
             self._fills = {
                 k: cols.pad_fill(o.pad_value, k, v.dtype, k in self.host_columns) for k, v in template.items()
             }
-        self._template = {k: v[:0] for k, v in template.items()}
+        self._template = {k: v[:0].copy() for k, v in template.items()}  # no view: it would pin a staging buffer
 
     def _prepare(self, local: Batch) -> Batch:
         o = self.options
