@@ -187,6 +187,41 @@ def test_alias_pool_lends_a_buffer_again_only_once_nothing_references_it():
     np.testing.assert_array_equal(np.asarray(x), np.ones((64, 3), np.float32))
 
 
+def test_alias_pool_asks_jax_to_drop_the_references_of_freed_arrays():
+    # jaxlib releases its reference to an aliased host buffer lazily (at a garbage collection);
+    # the pool asks for it, so reuse does not wait for the collector.
+    import gc
+
+    pool = AliasPool(depth=2)
+    a = pool.alloc((1024, 16), np.dtype("float32"))
+    ptr = a.ctypes.data
+    x = jax.device_put(a)
+    assert x.unsafe_buffer_pointer() == ptr  # aliased, not copied
+    gc.disable()
+    try:
+        del a, x
+        assert pool.alloc((1024, 16), np.dtype("float32")).ctypes.data == ptr
+    finally:
+        gc.enable()
+
+
+def test_object_columns_spanning_blocks_and_held_host_columns():
+    src = [
+        {"s": np.array([f"r{i}" for i in range(j, j + 5)], dtype=object), "x": np.full((5, 4), j, np.float32)}
+        for j in range(0, 40, 5)
+    ]
+    it = iter_jax_batches(src, batch_size=8, host_columns=["s"], pipeline="sync")
+    held_s, held_x = [], []
+    for b in it:
+        held_s.append(b["s"])  # a host column (numpy, from the staging buffer) kept by the loop
+        held_x.append(np.asarray(b["x"]))  # a numpy view of an aliased device array
+        del b
+    assert [list(s) for s in held_s] == [[f"r{i}" for i in range(k, k + 8)] for k in range(0, 40, 8)]
+    for k, x in enumerate(held_x):
+        np.testing.assert_array_equal(x[:, 0], (np.arange(8 * k, 8 * k + 8) // 5 * 5).astype(np.float32))
+    assert it._feeder._alias_pool._pools == {}  # the stream ended: no idle buffer is kept
+
+
 @pytest.mark.parametrize("pipeline", ["sync", "thread"])
 def test_cpu_staging_is_reused_once_batches_are_dropped_and_never_while_held(pipeline):
     import random
@@ -204,6 +239,7 @@ def test_cpu_staging_is_reused_once_batches_are_dropped_and_never_while_held(pip
     pool = it._feeder._alias_pool
     assert seen == 45 and pool.allocated + pool.reused == 45 * 2  # two staged columns per batch
     assert pool.allocated < 45  # buffers of dropped batches were lent again
+    assert pool._pools == {}  # the stream ended: idle buffers are not kept
     for b in held:  # ... and never one of a batch still held
         np.testing.assert_array_equal(np.asarray(b["x"])[:, 0], np.asarray(b["id"]).astype(np.float32))
         ids = np.asarray(b["id"])

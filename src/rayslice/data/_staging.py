@@ -14,10 +14,11 @@ Two kinds of buffer:
   the buffer (accelerators, or pinned staging), the same few buffers are
   reused once the copy that read them has finished.
 
-Either way a batch is written into memory already paged in: writing a 32 MB
-batch into a fresh buffer took ~4 ms on a 2-core VM against ~1.8 ms into a
-reused one, and 15-25 ms at times when the kernel compacted memory for huge
-pages.
+Either way, once a stream is under way, batches are written into memory
+already paged in: writing a 32 MB batch into a fresh buffer took ~4 ms on a
+2-core VM against ~1.8 ms into a reused one, and 15-25 ms at times when the
+kernel compacted memory for huge pages. Columns of Python objects get a
+plain ``np.empty`` (never aliased, never reused).
 
 Example:
     >>> import numpy as np
@@ -47,6 +48,8 @@ ALIGN = 64  # bytes; what JAX's CPU client needs to alias a host buffer instead 
 def aligned_empty(shape: tuple[int, ...], dtype: np.dtype, align: int = ALIGN) -> np.ndarray:
     """An uninitialized C-contiguous array whose data starts on an ``align``-byte boundary."""
     dtype = np.dtype(dtype)
+    if dtype.hasobject:  # references, not data: no byte buffer can hold them (nor can a device)
+        return np.empty(shape, dtype)
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     return _aligned_view(np.empty(nbytes + align, dtype=np.uint8), shape, dtype, align)
 
@@ -165,6 +168,8 @@ class AliasPool:
     def alloc(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         dtype = np.dtype(dtype)
         shape = tuple(shape)
+        if dtype.hasobject:
+            return aligned_empty(shape, dtype)
         pool = self._pools.setdefault((shape, dtype.str), [])
         free = self._free(pool)
         if free is None and pool:
@@ -183,6 +188,10 @@ class AliasPool:
         if len(pool) > self.depth:
             pool.pop(0)  # stop tracking the oldest: freed once its last reader is gone
         return _aligned_view(raw, shape, dtype)
+
+    def clear(self) -> None:
+        """Forgets every buffer (the stream is over): each is freed once its last reader is gone."""
+        self._pools.clear()
 
     def _free(self, pool: list[np.ndarray]) -> int | None:
         for i in range(len(pool)):  # oldest first

@@ -117,8 +117,8 @@ class _Feeder:
         )
         self._index_maps: dict[tuple, list] = {}
         # Where a transfer must copy the host batch (accelerators), staging buffers are reused
-        # once their device copy is done; CPU devices may alias them (for any memory kind),
-        # so there a buffer is reused only once nothing references it any more.
+        # once their device copy is done; CPU devices alias an aligned host buffer (their memory
+        # is host memory), so there a buffer is reused only once nothing references it any more.
         depth = o.prefetch + o.agree_window + 2
         self._ring = StagingRing(depth) if _reuses_staging(self.platform) else None
         self._alias_pool = AliasPool(depth) if self._ring is None else None
@@ -437,12 +437,10 @@ class _Feeder:
             except BaseException as e:
                 item, n = e, None
         if item is _END:
-            self._finished = True
-            self._stop.set()
+            self._end()
             raise StopIteration
         if isinstance(item, BaseException):
-            self._finished = True
-            self._stop.set()
+            self._end()
             raise item
         self._batches += 1
         self._rows += n
@@ -451,6 +449,13 @@ class _Feeder:
     def state(self) -> dict[str, Any]:
         """Where this host is: pass back as ``state=`` to continue with the next batch."""
         return {"version": 1, "batches": self._batches, "rows": self._rows, "finished": self._finished}
+
+    def _end(self) -> None:
+        """The stream is over (its end or an error): nothing more is staged."""
+        self._finished = True
+        self._stop.set()
+        if self._alias_pool is not None:  # the buffers still held stay with their batches
+            self._alias_pool.clear()
 
     def close(self, wait: bool = True) -> None:
         """Stops the prefetch thread; the iterator then ends (idempotent)."""
@@ -463,6 +468,8 @@ class _Feeder:
                 self._gen.close()
             except ValueError:  # running in another thread right now: it stops at its next step
                 pass
+            else:
+                self._end()
         if self._pool is not None:
             self._pool.shutdown(wait=False)
 
