@@ -148,7 +148,7 @@ def test_short_body_bad_length_and_wrong_method_get_json_answers(serving):
     if "dot-fuzz" not in serve.status().applications:
         serve.run(_fuzz_dep().bind(), name="dot-fuzz", route_prefix="/fuzz")
     port = serving["port"]
-    # A body shorter than its Content-Length: answered once body_timeout_s (1 s) passes, never a hang.
+    # A body shorter than its Content-Length: answered once body_timeout_s (3 s here) passes, never a hang.
     head = b"POST /fuzz HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\nContent-Length: 100"
     status, body = _raw_http(port, head, b'{"inputs": ')
     assert status == 408, body
