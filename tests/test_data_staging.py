@@ -187,6 +187,37 @@ def test_alias_pool_lends_a_buffer_again_only_once_nothing_references_it():
     np.testing.assert_array_equal(np.asarray(x), np.ones((64, 3), np.float32))
 
 
+@settings(max_examples=200, deadline=None)
+@given(
+    ops=st.lists(
+        st.tuples(st.sampled_from(["alloc", "drop", "view"]), st.integers(0, 7), st.integers(1, 3)), max_size=40
+    ),
+    depth=st.integers(1, 4),
+)
+def test_alias_pool_never_lends_memory_that_is_still_referenced(ops, depth):
+    # Random allocations, partial views and drops: a lent buffer never overlaps one still referenced,
+    # and every buffer holds what was last written into it.
+    pool = AliasPool(depth)
+    live: list[tuple[np.ndarray, int]] = []  # (an array or a view of one, the value written into it)
+    stamp = 0
+    for op, i, rows in ops:
+        if op == "alloc":
+            stamp += 1
+            a = pool.alloc((rows, 4), np.dtype("float32"))
+            assert is_aligned(a) and a.shape == (rows, 4)
+            assert not any(np.shares_memory(a, b) for b, _ in live)
+            a[:] = stamp
+            live.append((a, stamp))
+        elif live and op == "drop":
+            live.pop(i % len(live))
+        elif live:  # keep only a view of it
+            a, v = live.pop(i % len(live))
+            live.append((a[len(a) // 2 :], v))
+        for b, v in live:
+            assert (b == v).all()
+    assert pool.allocated + pool.reused == sum(op == "alloc" for op, _, _ in ops)
+
+
 def test_alias_pool_asks_jax_to_drop_the_references_of_freed_arrays():
     # jaxlib releases its reference to an aliased host buffer lazily (at a garbage collection);
     # the pool asks for it, so reuse does not wait for the collector.
