@@ -327,3 +327,26 @@ def test_gpu_benchmark_reports_no_gpu_cleanly_without_starting_anything(capsys):
     out = capsys.readouterr()
     assert "GPU benchmark skipped: no GPU" in out.err and '"skipped"' in out.out
     assert mod.main(["--gpus"]) == 2
+
+
+def test_h2d_mechanism_benchmark_skips_without_a_gpu_and_its_dry_run_measures_the_jax_rows(capsys, monkeypatch):
+    import importlib.util
+    import json
+    import os
+
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")  # the dry run sets it: restored after the test
+
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "bench_h2d.py")
+    spec = importlib.util.spec_from_file_location("bench_h2d_under_test", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    if not (os.path.exists("/dev/nvidiactl") or os.path.exists("/proc/driver/nvidia")):
+        assert mod.main([]) == 0
+        assert "skipped: no GPU" in capsys.readouterr().err
+    r = mod.run(dry_run=True, rounds=1)
+    assert r["dry_run"] and set(r["sizes"]) == {"1MB", "2MB"}
+    for entry in r["sizes"].values():
+        assert {"pageable", "pinned", "to_pinned", "staged"} <= set(entry)  # CPU devices have pinned_host memory
+        assert entry["vs_wire"]["pinned"] == 1.0 and all(v["median"] > 0 for k, v in entry.items() if k != "vs_wire")
+    assert json.loads(json.dumps(r)) == r
+    assert mod.main(["--gpus"]) == 2
