@@ -50,8 +50,12 @@ def aligned_empty(shape: tuple[int, ...], dtype: np.dtype, align: int = ALIGN) -
     dtype = np.dtype(dtype)
     if dtype.hasobject:  # references, not data: no byte buffer can hold them (nor can a device)
         return np.empty(shape, dtype)
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    return _aligned_view(np.empty(nbytes + align, dtype=np.uint8), shape, dtype, align)
+    return _aligned_view(_raw(shape, dtype, align), shape, dtype, align)
+
+
+def _raw(shape: tuple[int, ...], dtype: np.dtype, align: int = ALIGN) -> np.ndarray:
+    """The bytes behind an aligned array of ``shape`` and ``dtype`` (``align`` bytes of slack)."""
+    return np.empty(int(np.prod(shape, dtype=np.int64)) * dtype.itemsize + align, dtype=np.uint8)
 
 
 def _aligned_view(raw: np.ndarray, shape: tuple[int, ...], dtype: np.dtype, align: int = ALIGN) -> np.ndarray:
@@ -182,7 +186,7 @@ class AliasPool:
             pool.append(raw)
             self.reused += 1
             return _aligned_view(raw, shape, dtype)
-        raw = np.empty(int(np.prod(shape, dtype=np.int64)) * dtype.itemsize + ALIGN, dtype=np.uint8)
+        raw = _raw(shape, dtype)
         self.allocated += 1
         pool.append(raw)
         if len(pool) > self.depth:
