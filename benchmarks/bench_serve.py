@@ -211,7 +211,8 @@ def run(requests_n: int = 200, seconds: float = 5.0, clients: int = 8, rounds: i
             input_spec={"x": ((8,), "float32")},
             **BATCH,
         )(MLP)
-        serve.run(sliced.bind(), name="slice", route_prefix="/slice")
+        slice_handle = serve.run(sliced.bind(), name="slice", route_prefix="/slice")
+        host0_here = slice_handle.host0_here.remote().result(timeout_s=30)
         serve.run(_plain_deployment(), name="plain", route_prefix="/plain")
         serve.run(_forward_deployment(), name="forward", route_prefix="/forward")
         urls = {name: f"http://127.0.0.1:{port}/{name}" for name in ("plain", "slice", "forward")}
@@ -245,6 +246,7 @@ def run(requests_n: int = 200, seconds: float = 5.0, clients: int = 8, rounds: i
         res[f"{name}_p50_spread_ms"] = (min(diff), max(diff))
         res[f"{name}_p50_rounds_ms"] = diff
     res["rounds"] = rounds
+    res["slice"]["host0_here"] = host0_here  # the replica is host 0 of its slice (no hop to host 0)
     return res
 
 
@@ -340,5 +342,11 @@ if __name__ == "__main__":
         kw = {k: int(v) for k, v in (a.split("=") for a in sys.argv[2:])}
         with SimulatedCluster([SliceSpec("TPU-V4", "2x2x2", name="bench-a"), SliceSpec("TPU-V4", "2x2x2")]):
             print(json.dumps(parts(**kw)))
+    elif sys.argv[1:2] == ["run"]:  # python benchmarks/bench_serve.py run [requests_n=N] [rounds=N]
+        from rayslice.sim import SimulatedCluster, SliceSpec
+
+        kw = {k: int(v) for k, v in (a.split("=") for a in sys.argv[2:])}
+        with SimulatedCluster([SliceSpec("TPU-V4", "2x2x2", name="bench-a"), SliceSpec("TPU-V4", "2x2x2")]):
+            print(json.dumps(run(**kw)))
     else:
-        sys.exit("usage: python benchmarks/bench_serve.py parts [calls=N] [rounds=N]")
+        sys.exit("usage: python benchmarks/bench_serve.py {parts [calls=N] [rounds=N] | run [requests_n=N] [rounds=N]}")

@@ -6,6 +6,8 @@ import doctest
 import random
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from rayslice import planning as planning_mod
 from rayslice.cluster import HostInfo, SliceInfo
@@ -184,6 +186,31 @@ def test_exclude_skips_a_free_slice():
 def test_exclude_accepts_a_generator():
     p = plan(V4_16, [make_slice("a"), make_slice("b")], exclude=(n for n in ["a"]))
     assert names(p) == ["b"]
+
+
+def test_prefer_takes_a_free_preferred_slice_first_and_never_a_busy_one():
+    slices = [make_slice("a"), make_slice("b"), make_slice("c", busy={0: 0.0})]
+    assert names(plan(V4_16, slices, prefer=["b"])) == ["b"]
+    assert names(plan(V4_16, slices, prefer=["c"])) == ["a"]  # busy: the preference gives way
+    assert names(plan(V4_16, slices, prefer=["zz"])) == ["a"]  # unknown: name order as usual
+    assert names(plan(V4_16, slices, prefer=["b"], exclude=["b"])) == ["a"]  # exclude wins
+
+
+@given(
+    free=st.lists(st.booleans(), min_size=1, max_size=8),
+    preferred=st.sets(st.integers(0, 9)),
+    excluded=st.sets(st.integers(0, 9)),
+    num=st.integers(1, 4),
+)
+def test_property_prefer_only_reorders_the_free_slices(free, preferred, excluded, num):
+    slices = [make_slice(f"s-{i}", busy=None if ok else {1: 0.0}) for i, ok in enumerate(free)]
+    prefer = [f"s-{i}" for i in preferred]
+    exclude = [f"s-{i}" for i in excluded]
+    base = plan(V4_16, slices, num_slices=num, exclude=exclude)
+    got = plan(V4_16, slices, num_slices=num, exclude=exclude, prefer=prefer)
+    assert got.verdicts == base.verdicts and got.ok == base.ok  # what is usable does not change
+    usable = sorted((v.slice_name for v in base.verdicts if v.usable), key=lambda n: (n not in prefer, n))
+    assert names(got) == (usable[:num] if len(usable) >= num else [])
 
 
 def test_deterministic_name_order():

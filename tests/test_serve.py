@@ -58,9 +58,15 @@ def _dot(**opts):
 
 
 def test_http_answer_is_computed_across_both_hosts(serving):
+    import ray
     from ray import serve
 
     handle = serve.run(_dot().bind(2.0), name="dot", route_prefix="/dot")
+    # Serve started the replica on host 0 of a free slice: the replica is that host itself, and the
+    # only gang actor is host 1's (no Ray call between a request and host 0's answer).
+    assert handle.host0_here.remote().result() is True
+    named = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]
+    assert [n.rsplit("/", 1)[-1] for n in named if n.startswith("Dot/")] == ["1"]
     x = np.random.default_rng(0).standard_normal((3, 8)).astype(np.float32)
     r = _post(serving, "/dot", {"inputs": {"x": x.tolist()}})
     assert r.status_code == 200, r.text
@@ -205,15 +211,18 @@ def test_impossible_topology_fails_with_the_reason(serving):
     serve.delete("too-big")
 
 
-def test_preempted_host_replica_is_replaced_on_another_slice(serving):
+@pytest.mark.parametrize("worker", [0, 1], ids=["host0-the-replica-itself", "host1"])
+def test_preempted_host_replica_is_replaced_on_another_slice(serving, worker):
     from ray import serve
 
     sim = serving["sim"]
+    spare = sim.add_slice(SliceSpec("v6e", "2x4", chips_per_host=4, name=f"serve-spare-{worker}"))
+    serving["slices"].append(spare)  # the fixture takes it down at the end
     serve.run(_dot().bind(), name="chaos", route_prefix="/chaos")
     before = _replica_slices("chaos", "Dot")
     assert len(before) == 1
     victim = before.pop()
-    sim.preempt_host(victim, 1)
+    sim.preempt_host(victim, worker)
     # In-flight and later requests fail fast (never hang) until Serve replaces the replica.
     deadline = time.monotonic() + 90
     codes = []

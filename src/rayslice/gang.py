@@ -13,7 +13,10 @@ gloo), forming one global mesh whose process index follows (slice, worker id).
 
 ``jax.distributed`` cannot be initialised twice in one process, so every
 attempt (a restart after preemption, a new serve replica) starts a new gang.
-JAX is imported only inside gang processes, never by the driver.
+JAX is imported only inside gang processes, never by the driver. The one
+exception is a gang whose rank 0 is the calling process itself
+(``local_rank0=True``: a serve replica standing on host 0 of its slice); that
+process then is a gang process, once in its life.
 
 Example:
     >>> import rayslice
@@ -26,7 +29,9 @@ Example:
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import functools
 import io
 import os
 import pickle
@@ -35,6 +40,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
 from rayslice._deadline import Deadline
+from rayslice._validate import check_bool, fail
 from rayslice.errors import GangError, Outcome, classify
 from rayslice.placement import SlicePlacementGroup
 from rayslice.topology import MEGASCALE_PORT
@@ -160,13 +166,14 @@ def gang_environment(spg: SlicePlacementGroup, slice_index: int, worker_id: int)
 class _HostProcess:
     """The body of one gang actor (wrapped with ``ray.remote`` at start)."""
 
-    def __init__(self, env: dict[str, str] | None, ctx: HostContext | None) -> None:
+    def __init__(self, env: dict[str, str] | None, ctx: HostContext | None, notices: bool = True) -> None:
         # ``None, None``: a warm process of a :class:`~rayslice.warm.WarmPool`, given its host by :meth:`adopt` later.
         self._held: socket.socket | None = None
         self._ctx: HostContext | None = None
         if env is not None and ctx is not None:
             self.adopt(env, ctx)
-        _install_sigterm()  # in the actor's main thread: SIGTERM becomes a notice (see on_sigterm)
+        if notices:  # not for a local rank 0 (_LocalHost): the process and its signals are its owner's
+            _install_sigterm()  # in the actor's main thread: SIGTERM becomes a notice (see on_sigterm)
 
     def adopt(self, env: dict[str, str], ctx: HostContext) -> bool:
         """Becomes one host of a gang: sets that host's environment before JAX starts a backend."""
@@ -276,6 +283,74 @@ def _ping() -> bool:
     return True
 
 
+class _LocalRef:
+    """A call running on a gang's local rank 0; stands in for the ``ObjectRef`` a gang actor returns.
+
+    Gang code waits on it through :meth:`future`, as on an ``ObjectRef``'s.
+    """
+
+    def __init__(self, future: concurrent.futures.Future) -> None:
+        self._future = future
+
+    def future(self) -> concurrent.futures.Future:
+        return self._future
+
+
+class _LocalMethod:
+    def __init__(self, host: _LocalHost, name: str) -> None:
+        self._host, self._name = host, name
+
+    def options(self, **options: Any) -> _LocalMethod:
+        if options.get("num_returns", 1) != 1:
+            raise NotImplementedError(f"{self._name} with num_returns={options['num_returns']} on a local rank 0")
+        return self  # a concurrency group: the local rank answers pings at once anyway
+
+    def remote(self, *args: Any) -> _LocalRef:
+        return _LocalRef(self._host.submit(self._name, args))
+
+
+class _LocalHost:
+    """Rank 0 of a gang in the calling process (``SliceGang(local_rank0=True)``), with a gang actor's methods.
+
+    Calls run one at a time on one thread of this process, in order, as on an
+    actor; a ping answers at once. An exception from the user's function is
+    raised as Ray raises one from an actor (a ``RayTaskError`` that is also an
+    instance of the cause), so outcomes are classified the same way.
+    """
+
+    def __init__(self, env: dict[str, str], ctx: HostContext) -> None:
+        self.body = _HostProcess(env, ctx, notices=False)
+        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="rayslice-rank0")
+
+    def __getattr__(self, name: str) -> _LocalMethod:
+        if name.startswith("_") or not callable(getattr(_HostProcess, name, None)):
+            raise AttributeError(name)
+        return _LocalMethod(self, name)
+
+    def submit(self, name: str, args: tuple) -> concurrent.futures.Future:
+        if name == "ping":
+            done: concurrent.futures.Future = concurrent.futures.Future()
+            done.set_result(True)
+            return done
+        return self.pool.submit(_run_local, getattr(self.body, name), name, args)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _run_local(method: Callable[..., Any], name: str, args: tuple) -> Any:
+    try:
+        return method(*args)
+    except Exception as e:
+        import traceback
+
+        from ray.exceptions import RayTaskError
+
+        fn = args[0] if name in ("call", "call_split") else None
+        where = getattr(fn, "__name__", name)
+        raise RayTaskError(where, traceback.format_exc(), e, pid=os.getpid()).as_instanceof_cause() from None
+
+
 def _pack(fn: Callable[..., Any], args: tuple, kwargs: dict) -> bytes | None:
     """``(fn, args, kwargs)`` as bytes every host can load, or None when the call holds a Ray handle.
 
@@ -348,6 +423,9 @@ def _actor_class(options: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
 
 
 def _kill(actor: Any) -> None:
+    if isinstance(actor, _LocalHost):
+        actor.close()
+        return
     import ray
 
     try:
@@ -360,6 +438,8 @@ def _ordered_get(refs: Sequence[Any], deadline: Deadline, what: str) -> list[Any
     """ray.get over refs in rank order, raising at the first failure (no waiting on the rest)."""
     import ray
 
+    if any(isinstance(ref, _LocalRef) for ref in refs):
+        return _ordered_result([ref.future() for ref in refs], deadline, what)
     index = {ref: i for i, ref in enumerate(refs)}
     results: list[Any] = [None] * len(refs)
     pending = list(refs)
@@ -371,15 +451,61 @@ def _ordered_get(refs: Sequence[Any], deadline: Deadline, what: str) -> list[Any
                 f"{what}: {len(pending)} host(s) did not finish within {deadline.timeout_s:g} s", Outcome.TIMEOUT
             )
         for ref in ready:
-            rank = index[ref]
-            try:
-                results[rank] = ray.get(ref)
-            except Exception as exc:
-                outcome = classify(exc)
-                if outcome is Outcome.FAILED:
-                    raise  # the user's own exception, as Ray re-raises it
-                raise GangError(f"{what}: host rank {rank} lost ({outcome.value}): {exc}", outcome, rank=rank) from exc
+            results[index[ref]] = _result(functools.partial(ray.get, ref), index[ref], what)
     return results
+
+
+def _result(get: Callable[[], Any], rank: int, what: str) -> Any:
+    try:
+        return get()
+    except Exception as exc:
+        outcome = classify(exc)
+        if outcome is Outcome.FAILED:
+            raise  # the user's own exception, as Ray re-raises it
+        raise GangError(f"{what}: host rank {rank} lost ({outcome.value}): {exc}", outcome, rank=rank) from exc
+
+
+def _ordered_result(futures: Sequence[concurrent.futures.Future], deadline: Deadline, what: str) -> list[Any]:
+    """:func:`_ordered_get` over futures (a gang with a local rank 0: its refs and the actors' ``ref.future()``)."""
+    index = {f: i for i, f in enumerate(futures)}
+    results: list[Any] = [None] * len(futures)
+    pending = set(futures)
+    try:
+        while pending:
+            timeout = None if deadline.timeout_s is None else deadline.remaining
+            done, pending = concurrent.futures.wait(pending, timeout=timeout, return_when="FIRST_COMPLETED")
+            if not done:
+                raise GangError(
+                    f"{what}: {len(pending)} host(s) did not finish within {deadline.timeout_s:g} s", Outcome.TIMEOUT
+                )
+            for f in sorted(done, key=index.__getitem__):
+                results[index[f]] = _result(f.result, index[f], what)
+    finally:
+        for f in pending:
+            f.cancel()
+    return results
+
+
+_LOCAL_RANK0_STARTED = False  # this process already was rank 0 of a gang (jax.distributed starts once)
+
+
+def _check_local_rank0(spg: SlicePlacementGroup, init_jax: bool) -> None:
+    """Raises unless this process may be rank 0 of a gang on ``spg`` (checked before anything starts)."""
+    global _LOCAL_RANK0_STARTED
+    import ray
+
+    host0 = spg.slices[0].hosts[0]
+    here = ray.get_runtime_context().get_node_id()
+    if here != host0.node_id:
+        raise fail(
+            "local_rank0",
+            True,
+            f"a process on host 0 of slice {spg.slices[0].name} (node {host0.node_id[:12]}); "
+            f"this process runs on node {here[:12]}",
+        )
+    if init_jax and _LOCAL_RANK0_STARTED:
+        raise fail("local_rank0", True, "a process that was not rank 0 before: jax.distributed starts once per process")
+    _LOCAL_RANK0_STARTED = _LOCAL_RANK0_STARTED or init_jax
 
 
 class WarmSource(Protocol):
@@ -418,6 +544,13 @@ class SliceGang:
         warm: A :class:`~rayslice.warm.WarmPool` whose processes on the reserved hosts this
             gang adopts instead of starting fresh ones (used only when its
             actor options are the gang's).
+        local_rank0: Make the calling process itself rank 0 (host 0 of the
+            first slice) instead of starting an actor there: rank 0's calls
+            then run in this process, on one thread, with no Ray call on the
+            way (a serve replica placed on host 0 answers requests this way).
+            The caller must run on that host's node, and a process can be
+            rank 0 of one such gang in its life (``jax.distributed`` starts
+            once per process). The reservation keeps holding host 0's chips.
 
     After :meth:`start`, :attr:`timings` says where the start-up time went:
     ``processes_s`` (every process up and holding its host's environment),
@@ -443,7 +576,10 @@ class SliceGang:
         name: str | None = None,
         artifacts_dir: str | None = None,
         warm: WarmSource | None = None,
+        local_rank0: bool = False,
     ) -> None:
+        check_bool("local_rank0", local_rank0)
+        self.local_rank0 = local_rank0
         self.spg = spg
         self.warm = warm
         self.timings: dict[str, float] = {}
@@ -463,6 +599,8 @@ class SliceGang:
         import uuid
 
         t0 = time.perf_counter()
+        if self.local_rank0:
+            _check_local_rank0(self.spg, self.init_jax)
         topo = self.spg.topology
         actor_cls, options = _actor_class(self.actor_options)
         warm = self.warm if self.warm is not None and self.warm.actor_options == self.actor_options else None
@@ -486,6 +624,12 @@ class SliceGang:
                     artifacts_dir=self.artifacts_dir,
                 )
                 env = {**gang_environment(self.spg, s.slice_index, h.worker_id), **self.env}
+                if rank == 0 and self.local_rank0:
+                    local = _LocalHost(env, ctx)
+                    self.actors.append(local)
+                    self.contexts.append(ctx)
+                    up.append(local.ping.remote())
+                    continue
                 actor = warm.take(h.node_id) if warm is not None else None
                 if actor is not None:
                     self.actors.append(actor)
@@ -558,10 +702,17 @@ class SliceGang:
         return self._send(ranks, fn, args, kwargs)
 
     def _send(self, ranks: Iterable[int], fn: Callable[..., Any], args: tuple, kwargs: dict) -> list[Any]:
-        call = _pack(fn, args, kwargs)
-        if call is None:
-            return [self.actors[r].call.remote(fn, args, kwargs) for r in ranks]
-        return [self.actors[r].call_packed.remote(call) for r in ranks]
+        ranks = list(ranks)
+        remote = [r for r in ranks if not isinstance(self.actors[r], _LocalHost)]
+        call = _pack(fn, args, kwargs) if remote else None
+        refs: dict[int, Any] = {}
+        for r in remote:  # first, so the other hosts get their share while the local rank starts on its own
+            a = self.actors[r]
+            refs[r] = a.call.remote(fn, args, kwargs) if call is None else a.call_packed.remote(call)
+        for r in ranks:
+            if r not in refs:  # the local rank 0 takes the objects themselves (nothing to serialize)
+                refs[r] = self.actors[r].call.remote(fn, args, kwargs)
+        return [refs[r] for r in ranks]
 
     def run_each(
         self, fn: Callable[..., tuple[Any, Any]], args_per_rank: Sequence[tuple], *, timeout_s: float | None = None
@@ -610,6 +761,10 @@ class SliceGang:
         import ray
 
         refs = self.ping_async()
+        if self.local_rank0:
+            futures = [ref.future() for ref in refs]
+            concurrent.futures.wait(futures, timeout=timeout_s)
+            return [r for r, f in enumerate(futures) if not f.done() or f.cancelled() or f.exception() is not None]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
         lost = []
         for rank, ref in enumerate(refs):

@@ -347,6 +347,7 @@ def slice_placement_group(
     race_window_s: float = 5.0,
     progress: bool = True,
     avoid_slices: Iterable[str] = (),
+    prefer_slices: Iterable[str] = (),
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
 ) -> SlicePlacementGroup:
@@ -395,6 +396,9 @@ def slice_placement_group(
         avoid_slices: Slice names to pass over while other slices fit (e.g. one
             whose host just stopped answering, before Ray declares it dead);
             taken only when nothing else is free.
+        prefer_slices: Slice names to take first when they are free and fit
+            (e.g. the slice whose host 0 runs the caller: a serve replica
+            placed there becomes that host itself); otherwise the usual order.
         clock: Monotonic clock (injectable for tests).
         sleep: Sleep paired with ``clock``.
 
@@ -456,14 +460,17 @@ def slice_placement_group(
     created: list[Any] = []
     raced: set[str] = set()
     avoid = {check_str("avoid_slices", n) for n in ([avoid_slices] if isinstance(avoid_slices, str) else avoid_slices)}
+    prefer = {
+        check_str("prefer_slices", n) for n in ([prefer_slices] if isinstance(prefer_slices, str) else prefer_slices)
+    }
     interval = 0.05
     asked_autoscaler = False
     try:
         while True:
             snapshot = list_slices()
-            p = plan(request, snapshot, exclude=raced | avoid)
+            p = plan(request, snapshot, exclude=raced | avoid, prefer=prefer)
             if not p.ok and avoid:
-                p = plan(request, snapshot, exclude=raced)
+                p = plan(request, snapshot, exclude=raced, prefer=prefer)
             raced.clear()
             if p.ok:
                 create_groups(p, selectors, name, group_options, created)

@@ -163,6 +163,7 @@ def plan(
     *,
     num_slices: int | None = None,
     exclude: Iterable[str] = (),
+    prefer: Iterable[str] = (),
 ) -> Plan:
     """Picks ``num_slices`` whole free slices matching ``request``.
 
@@ -176,6 +177,8 @@ def plan(
         slices: The cluster's slices (:func:`rayslice.cluster.parse_slices`).
         num_slices: Overrides the request's number of slices.
         exclude: Slice names not to choose (e.g. just lost to a race).
+        prefer: Slice names to choose first when they are free (e.g. the
+            slice whose host 0 runs the caller); then name order as usual.
 
     Returns:
         A :class:`Plan`; ``plan.ok`` is False when not enough slices are free,
@@ -184,6 +187,7 @@ def plan(
     request = SliceRequest.parse(request, num_slices=num_slices)
     num_slices = request.num_slices
     excluded = set(exclude)
+    preferred = set(prefer)
     verdicts = []
     free: list[SliceInfo] = []
     for s in slices:
@@ -193,6 +197,6 @@ def plan(
         verdicts.append(SliceVerdict(s.name, usable, reason, matches))
         if usable:
             free.append(s)
-    free.sort(key=lambda s: s.name)
+    free.sort(key=lambda s: (s.name not in preferred, s.name))
     chosen = tuple(free[:num_slices]) if len(free) >= num_slices else ()
     return Plan(request=request, chosen=chosen, verdicts=tuple(verdicts))

@@ -3,9 +3,12 @@
 ``@rayslice.serve.deployment(accelerator_type=..., accelerator_config={"kind": "tpu",
 "topology": ...})`` turns a model class into an ordinary Ray Serve deployment
 (``"kind"`` is Ray Serve LLM's key; rayslice's older ``"type"`` works too).
-Each replica holds no accelerator itself: at start-up it reserves one whole
-slice (rayslice's reservation, so bundles never scatter over two slices),
-starts one gang process per host with ``jax.distributed`` up, and creates the
+Serve starts each replica on host 0 of a free slice of the requested shape
+when there is one (:func:`replica_placement`); at start-up the replica
+reserves one whole slice (rayslice's reservation, so bundles never scatter
+over two slices; the slice it stands on first), becomes host 0 of it in its
+own process when it stands there (else host 0 is a gang process too), starts
+one gang process per other host with ``jax.distributed`` up, and creates the
 model on every host (``setup(ctx)`` runs there). Requests are batched
 (``serve.batch``) into one SPMD step that every host runs; host 0 answers.
 
@@ -55,6 +58,7 @@ __all__ = [
     "failure_reason",
     "http_status",
     "parse_accelerator_config",
+    "replica_placement",
     "run",
     "start_http",
 ]
@@ -89,6 +93,28 @@ def start_http(port: int | None = None, host: str = "127.0.0.1") -> int:
             port = s.getsockname()[1]
     serve.start(proxy_location="HeadOnly", http_options={"host": host, "port": port})
     return port
+
+
+def replica_placement(cfg: SliceServeConfig) -> dict[str, Any]:
+    """Where Serve starts a slice replica: on host 0 of a slice of the requested shape, else anywhere.
+
+    A replica that starts on host 0 of a free slice reserves that slice and is
+    host 0 itself (its share of every step runs in the replica's process: no
+    Ray call between a request and its answer). When no such host is
+    schedulable, Serve's fallback starts the replica anywhere and every host
+    is a gang actor, as before; a shape no cluster has still fails at once
+    (the replica's reservation says why). The replica takes no CPU or chip:
+    the reservation holds the slice.
+
+    Example:
+        >>> cfg = SliceServeConfig.from_accelerator_config("TPU-V4", {"kind": "tpu", "topology": "2x2x2"})
+        >>> replica_placement(cfg)["label_selector"]
+        {'ray.io/tpu-pod-type': 'v4-16', 'ray.io/tpu-worker-id': '0'}
+    """
+    from rayslice.cluster import LABEL_POD_TYPE, LABEL_WORKER_ID
+
+    host0 = {LABEL_POD_TYPE: cfg.request.topology.pod_type, LABEL_WORKER_ID: "0"}
+    return {"num_cpus": 0, "label_selector": host0, "fallback_strategy": [{"label_selector": {}}]}
 
 
 def _check_model_class(cls: object) -> type:
@@ -175,12 +201,12 @@ expected a class that defines __call__(self, batch); NoCall does not
         from ray import serve
 
         options = {
-            "ray_actor_options": {"num_cpus": 0},
             "max_constructor_retry_count": 3,
             "health_check_period_s": 2.0,
             "health_check_timeout_s": 10.0,
             "max_ongoing_requests": 4 * cfg.max_batch_size,
             **serve_options,
+            "ray_actor_options": {**replica_placement(cfg), **(serve_options.get("ray_actor_options") or {})},
         }
         return serve.deployment(make_replica_class(cls, cfg), **options)
 

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from rayslice._validate import check_instance, fail
+from rayslice._validate import check_bool, check_instance, fail
 from rayslice.errors import GangError, Outcome, ReservationError, RunOutcome, describe
 from rayslice.serve.config import SliceServeConfig
 from rayslice.serve.schema import InputSpec, RequestError, parse_body, rows_of, validate_untyped
@@ -75,6 +75,12 @@ class ReplicaCore:
         args, kwargs: Constructor arguments for ``user_cls``.
         tpu_slice: A reservation the caller already holds: run on it, neither
             reserve nor release it (its topology must match ``cfg.request``).
+        host0_in_process: Be host 0 of the slice in this process when it can:
+            when this process runs on host 0 of a free slice of the requested
+            shape, that slice is reserved and host 0's share of every step
+            runs here (no Ray call on the way to the answer); otherwise, or
+            with a held reservation whose host 0 is elsewhere, every host is
+            a gang actor. :attr:`host0_here` says which it became.
     """
 
     def __init__(
@@ -85,6 +91,7 @@ class ReplicaCore:
         kwargs: dict,
         *,
         tpu_slice: SlicePlacementGroup | None = None,
+        host0_in_process: bool = False,
     ) -> None:
         from rayslice.gang import CONTROL_GROUP, SliceGang
         from rayslice.placement import SlicePlacementGroup, slice_placement_group
@@ -97,6 +104,9 @@ class ReplicaCore:
         self.broken: RunOutcome | None = None  # set once a host is lost: the replica is unhealthy
         self.last_outcome: RunOutcome | None = None
         self.owns_slice = tpu_slice is None
+        self.host0_here = False
+        check_bool("host0_in_process", host0_in_process)
+        node, headed = _where_this_process_runs() if host0_in_process else (None, None)
         if tpu_slice is not None:
             check_instance("tpu_slice", tpu_slice, SlicePlacementGroup)
             if tpu_slice.released:
@@ -111,9 +121,11 @@ class ReplicaCore:
                     timeout_s=cfg.reservation_timeout_s,
                     name=f"serve-{self.name}-{uuid.uuid4().hex[:6]}",
                     progress=False,
+                    prefer_slices=[headed] if headed else (),
                 )
             except ReservationError as e:  # Serve shows it as the reason the deployment failed
                 raise _one_line_reservation_error(e, self.name) from None
+        self.host0_here = node is not None and self.spg.slices[0].hosts[0].node_id == node
         try:
             # Liveness pings (health checks, classifying a failed step) run in their own
             # concurrency group on every host, so they never queue behind a step.
@@ -122,6 +134,7 @@ class ReplicaCore:
                 init_timeout_s=cfg.init_timeout_s,
                 name=self.name,
                 actor_options={"max_concurrency": 2, "concurrency_groups": {CONTROL_GROUP: 1}},
+                local_rank0=self.host0_here,
             ).start()
             self.gang.run(host.setup_model, user_cls, args, kwargs, self.name, timeout_s=cfg.init_timeout_s)
         except BaseException:
@@ -268,6 +281,18 @@ class ReplicaCore:
             self.spg = None
 
 
+def _where_this_process_runs() -> tuple[str, str | None]:
+    """This process's node id, and the slice it is host 0 of (None when it is not a slice's host 0)."""
+    import ray
+
+    from rayslice.cluster import LABEL_SLICE, LABEL_WORKER_ID
+
+    ctx = ray.get_runtime_context()
+    labels = {k: v[0] if isinstance(v, list) and v else v for k, v in (ctx.get_node_labels() or {}).items()}
+    headed = labels.get(LABEL_SLICE) if str(labels.get(LABEL_WORKER_ID, "")) == "0" else None
+    return ctx.get_node_id(), str(headed) if headed else None
+
+
 class _Answer:
     """Host 0's answer to one step, settled by callbacks on the hosts' futures (no task per host).
 
@@ -408,7 +433,9 @@ def make_replica_class(user_cls: type, cfg: SliceServeConfig) -> type:
 
     class SliceReplica:
         def __init__(self, *args: Any, **kwargs: Any) -> None:
-            self._core = ReplicaCore(user_cls, cfg, args, kwargs)
+            # Serve places the replica on host 0 of a slice of this shape when one is free
+            # (deployment's label selector); the replica then is that host itself.
+            self._core = ReplicaCore(user_cls, cfg, args, kwargs, host0_in_process=True)
 
         # Batches are counted in rows, not requests: one SPMD step holds at most max_batch_size rows.
         @serve.batch(
@@ -450,6 +477,10 @@ def make_replica_class(user_cls: type, cfg: SliceServeConfig) -> type:
 
         def slice_name(self) -> str:
             return self._core.slice_name
+
+        def host0_here(self) -> bool:
+            """Whether this replica's process is host 0 of its slice (else every host is a gang actor)."""
+            return self._core.host0_here
 
         def __del__(self) -> None:
             core = getattr(self, "_core", None)
