@@ -104,7 +104,6 @@ class ReplicaCore:
         self.broken: RunOutcome | None = None  # set once a host is lost: the replica is unhealthy
         self.last_outcome: RunOutcome | None = None
         self.owns_slice = tpu_slice is None
-        self.host0_here = False
         check_bool("host0_in_process", host0_in_process)
         node, headed = _where_this_process_runs() if host0_in_process else (None, None)
         if tpu_slice is not None:
