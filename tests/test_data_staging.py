@@ -310,6 +310,48 @@ def test_per_device_transfers_build_the_same_global_array():
     np.testing.assert_array_equal(np.asarray(a["x"]), np.asarray(b["x"]))
 
 
+@pytest.mark.parametrize("pipeline", ["sync", "thread"])
+def test_views_of_a_registered_store_go_as_they_are_and_the_rest_through_pinned_memory(monkeypatch, pipeline):
+    # Ray's object store stood in for by a shared mapping, "registered" by a fake cudaHostRegister.
+    import functools
+    import mmap
+
+    from rayslice.data import _transfer, feeder
+    from rayslice.data._storepin import StorePinning
+
+    registered = []
+    store = StorePinning(register=lambda address, size: registered.append(size) or 0)
+    monkeypatch.setattr(feeder, "Transfers", functools.partial(feeder.Transfers, store=store))
+    paths = []
+    real = _transfer.Transfers._put_columns
+    monkeypatch.setattr(
+        _transfer.Transfers,
+        "_put_columns",
+        lambda self, dev, rows, pinned: paths.append((sorted(dev), pinned is None)) or real(self, dev, rows, pinned),
+    )
+    mm = mmap.mmap(-1, 1 << 16, flags=mmap.MAP_SHARED)
+    shared = np.frombuffer(mm, dtype=np.float32)[:400].reshape(100, 4)
+    shared[:] = np.arange(400, dtype=np.float32).reshape(100, 4)
+    private = np.arange(100, dtype=np.int64)  # not in the store
+    src = [{"x": shared[:36], "y": private[:36]}, {"x": shared[36:], "y": private[36:]}]
+    it = iter_jax_batches(src, batch_size=8, ragged="pad", pipeline=pipeline, staging="pinned")
+    got = list(it)  # every batch held
+    np.testing.assert_array_equal(np.concatenate([np.asarray(b["x"]) for b in got])[:100], shared)
+    np.testing.assert_array_equal(np.concatenate([np.asarray(b["y"]) for b in got])[:100], private)
+    assert registered == [mapping_size(shared)]  # the whole mapping, once
+    direct = [keys for keys, unpinned in paths if unpinned]
+    assert ["x"] in direct and ["x", "y"] not in direct  # store views as they are; private rows pinned first
+    assert (["x", "y"], False) in paths  # the batch spanning both blocks, assembled in a staging buffer
+
+
+def mapping_size(a: np.ndarray) -> int:
+    from rayslice.data._storepin import mapping_of
+
+    m = mapping_of(a.ctypes.data)
+    assert m is not None
+    return m.size
+
+
 def test_gpu_benchmark_reports_no_gpu_cleanly_without_starting_anything(capsys):
     import importlib.util
     import os

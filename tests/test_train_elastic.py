@@ -219,8 +219,31 @@ def test_resizes_are_events_in_the_goodput():
 
 
 # -- on the simulator ----------------------------------------------------------------
+def _hold_for_the_next_stop(timeout_s: float) -> None:
+    """In a gang process: waits until the run is about to stop (a grow or preemption notice
+    announced; the next report saves and stops) or this process is ended, at most ``timeout_s``.
+
+    Lets a test wait on the event it is about (a grow, a loss) instead of budgeting steps for it:
+    a slow machine otherwise reads every row before the event comes.
+    """
+    import time
+
+    from rayslice.train import worker
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        s = worker._SESSION
+        if s is not None and s.agreement is not None and s.agreement.notice is not None:
+            return
+        time.sleep(0.05)
+
+
 def elastic_loop(config: dict) -> None:
-    """Reads row ids with get_dataset_shard + iter_jax_batches; ``grad_accum_steps`` micro-batches per step."""
+    """Reads row ids with get_dataset_shard + iter_jax_batches; ``grad_accum_steps`` micro-batches per step.
+
+    ``config["hold"]``: ``[slices, elastic epoch]`` pairs: in a world of that size and epoch, after
+    each report, the loop waits for the run's next stop (:func:`_hold_for_the_next_stop`, 90 s at most).
+    """
     import json
     import os
     import time
@@ -291,9 +314,11 @@ def elastic_loop(config: dict) -> None:
             "pid": os.getpid(),
         }
         report(metrics, checkpoint={"total": total, "vec": vec, "train": it})
+        if [ctx.num_slices, ctx.elastic_epoch] in config.get("hold", []):
+            _hold_for_the_next_stop(90)
 
 
-def _two_slices_on_ram(name, tmp_path, rows, sleep_s, callback, failure_config):
+def _two_slices_on_ram(name, tmp_path, rows, sleep_s, callback, failure_config, hold=()):
     """A trainer of :func:`elastic_loop` on 2 v4 2x2x1 slices (at least 1), the RAM tier every step."""
     import ray
 
@@ -301,7 +326,12 @@ def _two_slices_on_ram(name, tmp_path, rows, sleep_s, callback, failure_config):
 
     return JaxTrainer(
         elastic_loop,
-        train_loop_config={"batch": 4, "sleep_s": sleep_s, "ids_dir": str(tmp_path / "ids")},
+        train_loop_config={
+            "batch": 4,
+            "sleep_s": sleep_s,
+            "ids_dir": str(tmp_path / "ids"),
+            "hold": [list(h) for h in hold],
+        },
         scaling_config=ScalingConfig(
             topology="2x2x1",
             accelerator_type="TPU-V4",
@@ -333,7 +363,7 @@ def test_a_run_shrinks_onto_the_survivors_then_grows_back_reading_every_row_once
     names = [ray_cluster.add_slice(f"v4:2x2x1@elastic-{x}") for x in "ab"]
     ids_dir = tmp_path / "ids"
     ids_dir.mkdir()
-    rows = 8 * 40  # 2 hosts x 4 rows per step: 40 steps at full size (time for the grow on a slow day)
+    rows = 8 * 40  # 2 hosts x 4 rows per step: 40 steps at full size
     by_step: dict[int, dict] = {}
     events: list[str] = []
 
@@ -351,7 +381,10 @@ def test_a_run_shrinks_onto_the_survivors_then_grows_back_reading_every_row_once
     try:
         # The RAM tier every step (storage only for the grow's save): the shrink restores from RAM onto the
         # smaller world, slice b's rank from its replica on slice a.
-        result = _two_slices_on_ram("elastic", tmp_path, rows, 0.3, Chaos(), FailureConfig(max_preemptions=2)).fit()
+        # On one slice (epoch 1) each step waits for the grow's notice: the grow comes however slow the day.
+        result = _two_slices_on_ram(
+            "elastic", tmp_path, rows, 0.3, Chaos(), FailureConfig(max_preemptions=2), hold=[(1, 1)]
+        ).fit()
         assert result.error is None, result.error
         assert [(e.slices_before, e.slices_after, e.reason) for e in result.resizes] == [(2, 1, "lost"), (1, 2, "grow")]
         shrink = result.restores[0]
@@ -453,7 +486,7 @@ def test_two_shrinks_and_a_grow_read_every_row_once_and_leak_nothing(ray_cluster
     names = [ray_cluster.add_slice(f"v4:2x2x1@twice-{x}") for x in "ab"]
     ids_dir = tmp_path / "ids"
     ids_dir.mkdir()
-    rows = 8 * 32  # time for the grow and the second loss on a slow day
+    rows = 8 * 32
     events: list[str] = []
     seen: list[tuple[int, int]] = []  # (slices, grad_accum_steps) of every completed step
 
@@ -480,7 +513,8 @@ def test_two_shrinks_and_a_grow_read_every_row_once_and_leak_nothing(ray_cluster
     try:
         result = JaxTrainer(
             elastic_loop,
-            train_loop_config={"batch": 4, "sleep_s": 0.25, "ids_dir": str(ids_dir)},
+            # Waits on the grow (1 slice, epoch 1) and on the second loss (2 slices, epoch 2), not on a step budget.
+            train_loop_config={"batch": 4, "sleep_s": 0.25, "ids_dir": str(ids_dir), "hold": [[1, 1], [2, 2]]},
             scaling_config=ScalingConfig(
                 topology="2x2x1",
                 accelerator_type="TPU-V4",

@@ -4,9 +4,11 @@ Each host reads its own rows (``batch_size`` per host per step), casts them on
 the host, and assembles one global ``jax.Array`` of ``batch_size x
 process_count`` rows sharded along the batch dimension. A batch inside one
 Ray block is a zero-copy view of the object store; one spanning blocks is
-written piece by piece into a staging buffer. On accelerators the batch is
-staged in pinned host memory and copied to every device asynchronously (in
-parallel per device), and a background thread keeps the next ``prefetch``
+written piece by piece into a staging buffer. On accelerators the batch
+reaches the devices by DMA from pinned memory, asynchronously (in parallel
+per device): on CUDA devices a view of Ray's object store goes as it is (the
+store is registered with CUDA once per process), anything else through
+JAX's ``pinned_host`` memory; a background thread keeps the next ``prefetch``
 batches on device while the current step runs; on CPU devices, where an
 aligned host batch is aliased rather than copied, the work runs in the
 consumer's ``next()`` (``pipeline="auto"``), a few small batches per
@@ -44,7 +46,6 @@ import collections
 import queue
 import threading
 from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -54,8 +55,9 @@ from rayslice.data import _columns as cols
 from rayslice.data._agreement import RowAgreement, next_stream_id
 from rayslice.data._rebatch import Batch, check_source, host_batches
 from rayslice.data._sharding import batch_sharding, default_sharding
-from rayslice.data._staging import AliasPool, StagingRing
+from rayslice.data._staging import AliasPool
 from rayslice.data._steps import Step, decide
+from rayslice.data._transfer import Transfers
 from rayslice.data.options import FeederOptions, Ragged, build_options, check_state
 
 _END = object()
@@ -104,23 +106,21 @@ class _Feeder:
         local = sorted(self.sharding.addressable_devices, key=lambda d: d.id)
         self.platform = local[0].platform
         self.pipeline = o.pipeline if o.pipeline != "auto" else ("sync" if self.platform == "cpu" else "thread")
-        self.pinned = self._pinned_sharding(o.staging, local[0])
-        threads = o.transfer_threads
-        if threads is None:
-            threads = min(8, len(local)) if self.platform != "cpu" and len(local) > 1 else 0
-        # Per-device transfers from a pool; a multi-process batch goes through JAX's own assembly.
-        self.transfer_threads = threads if self.process_count == 1 and len(local) > 1 else 0
-        self._pool = (
-            ThreadPoolExecutor(self.transfer_threads, thread_name_prefix="rayslice-h2d")
-            if self.transfer_threads
-            else None
-        )
-        self._index_maps: dict[tuple, list] = {}
         # Where a transfer must copy the host batch (accelerators), staging buffers are reused
         # once their device copy is done; CPU devices alias an aligned host buffer (their memory
         # is host memory), so there a buffer is reused only once nothing references it any more.
         depth = o.prefetch + o.agree_window + 2
-        self._ring = StagingRing(depth) if _reuses_staging(self.platform) else None
+        self._transfers = Transfers(
+            self.sharding,
+            staging=o.staging,
+            threads=o.transfer_threads,
+            process_count=self.process_count,
+            ring_depth=depth,
+            reuse_staging=_reuses_staging(self.platform),
+        )
+        self.pinned = self._transfers.pinned
+        self.transfer_threads = self._transfers.threads
+        self._ring = self._transfers.ring
         self._alias_pool = AliasPool(depth) if self._ring is None else None
         self._batches, self._rows, self._finished = st["batches"], st["rows"], st["finished"]
         agree = self.process_count > 1 if o.agree is None else o.agree
@@ -141,7 +141,7 @@ class _Feeder:
         )
         # CPU devices alias host memory (a batch on device costs no device memory), so the
         # consumer's next() transfers a few batches at once; elsewhere one at a time.
-        single = self.process_count == 1 and self._pool is None and self.pinned is None
+        single = self.process_count == 1 and self.transfer_threads == 0 and self.pinned is None
         self._group = GROUP_MAX_BATCHES if single and self.platform == "cpu" and self.pipeline == "sync" else 1
         self._deferred: Exception | None = None  # a source error raised once the batches before it are out
         self._gen = self._generate()
@@ -151,84 +151,20 @@ class _Feeder:
         if not self._finished and self.pipeline == "thread":
             self._thread.start()
 
-    def _pinned_sharding(self, staging: str, device: Any) -> Any:
-        """The batch sharding in ``pinned_host`` memory, or None to transfer from pageable memory."""
-        if staging == "pageable":
-            return None
-        try:
-            kinds = {m.kind for m in device.addressable_memories()}
-        except Exception:  # a backend without memory kinds
-            kinds = set()
-        if "pinned_host" not in kinds:
-            if staging == "pinned":
-                raise fail(
-                    "staging",
-                    staging,
-                    f"'auto' or 'pageable': {self.platform} devices have no pinned_host "
-                    f"memory (they have {sorted(kinds) or 'none listed'})",
-                )
-            return None
-        if staging == "auto" and self.platform == "cpu":
-            return None  # host memory is device memory there: staging would only add a copy
-        return self.sharding.with_memory_kind("pinned_host")
-
     # -- transfers ------------------------------------------------------
-    def _put_one(self, v: np.ndarray, device: Any) -> Any:
-        import jax
-        from jax.sharding import SingleDeviceSharding
-
-        if self.pinned is not None:
-            v = jax.device_put(v, SingleDeviceSharding(device, memory_kind="pinned_host"))
-        return jax.device_put(v, SingleDeviceSharding(device))
-
-    def _put_per_device(self, dev: Batch) -> dict[str, Any]:
-        """Every device's rows of every column, transferred from the pool in parallel."""
-        import jax
-
-        jobs = {}
-        for k, v in dev.items():
-            key = v.shape
-            if key not in self._index_maps:
-                self._index_maps[key] = list(self.sharding.addressable_devices_indices_map(v.shape).items())
-            jobs[k] = [
-                self._pool.submit(self._put_one, v[idx], d)  # type: ignore[union-attr]
-                for d, idx in self._index_maps[key]
-            ]
-        return {
-            k: jax.make_array_from_single_device_arrays(dev[k].shape, self.sharding, [f.result() for f in fs])
-            for k, fs in jobs.items()
-        }
-
     def _to_global(self, batch: Batch, rows: int) -> dict[str, Any]:
-        import jax
 
         dev, host = self._split_host(batch)
-        if self.process_count == 1:
-            # Same result, and measurably faster than the multi-process path.
-            if self._pool is not None:
-                out = self._put_per_device(dev)
-            elif self.pinned is not None:  # into pinned host memory, then one DMA per device
-                out = jax.device_put(jax.device_put(dev, self.pinned), self.sharding)
-            else:
-                out = jax.device_put(dev, self.sharding)
-        else:
-            shape0 = (rows * self.process_count,)
-            target = self.pinned if self.pinned is not None else self.sharding
-            out = {k: jax.make_array_from_process_local_data(target, v, shape0 + v.shape[1:]) for k, v in dev.items()}
-            if self.pinned is not None:
-                out = jax.device_put(out, self.sharding)
-        if self._ring is not None:  # a staging buffer is free again once its device copy is done
-            self._ring.seal(dev, out)
+        out = self._transfers.put(dev, rows)  # its staging buffers are lent again once copied
         return {**out, **host}
 
     def _to_global_group(self, group: list[tuple[Batch, int]]) -> list[dict[str, Any]]:
         """:meth:`_to_global` of consecutive batches, their device columns in one ``device_put`` call."""
-        import jax
 
         if len(group) == 1:
             return [self._to_global(*group[0])]
         dev, host = zip(*(self._split_host(b) for b, _ in group), strict=True)
-        outs = jax.device_put(list(dev), self.sharding)
+        outs = self._transfers.put_many(list(dev))
         return [{**out, **h} for out, h in zip(outs, host, strict=True)]
 
     def _split_host(self, batch: Batch) -> tuple[Batch, Batch]:
@@ -470,8 +406,7 @@ class _Feeder:
                 pass
             else:
                 self._end()
-        if self._pool is not None:
-            self._pool.shutdown(wait=False)
+        self._transfers.close()
 
 
 class JaxBatchIterator(Iterator[Any]):

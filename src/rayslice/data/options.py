@@ -183,9 +183,12 @@ class FeederOptions:
         staging: How host batches reach accelerators: ``"pinned"`` (through
             JAX ``memory_kind="pinned_host"`` buffers, then an asynchronous
             DMA to the devices), ``"pageable"`` (plain ``device_put``) or
-            ``"auto"`` (default: pinned where devices have a ``pinned_host``
-            memory and are not CPUs; on CPU devices host memory *is* device
-            memory and staging only adds a copy).
+            ``"auto"`` (default: on CUDA devices a batch that is a view of
+            Ray's object store goes by DMA straight from the store, which is
+            registered with CUDA once per process (at most 32 GiB); other
+            batches, and other accelerators with ``pinned_host`` memory, as
+            ``"pinned"``; on CPU devices host memory *is* device memory and
+            staging only adds a copy).
         transfer_threads: Threads issuing per-device transfers in parallel
             (0: every device's transfer from the feeder's own thread; None,
             the default: one per local device, at most 8, on accelerators
