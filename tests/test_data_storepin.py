@@ -52,12 +52,28 @@ def test_private_memory_and_strided_views_are_never_registered():
     mm.close()
 
 
-def test_a_refused_registration_turns_it_off_with_the_reason():
-    pin = StorePinning(register=_Register(code=1))
+def test_a_refused_mapping_is_not_asked_again_and_others_still_are():
+    reg = _Register(code=1)
+    pin = StorePinning(register=reg)
     mm, arr = _shared(1 << 16)
     assert not pin.covers(arr)
     assert pin.failure is not None and "cudaHostRegister" in pin.failure and pin.registered == []
-    assert not pin.covers(arr)  # off for good: the feeder copies into pinned staging buffers instead
+    assert not pin.covers(arr) and len(reg.calls) == 1  # refused once: its batches go through pinned_host memory
+    reg.code = 0
+    mm2, other = _shared(1 << 16)  # e.g. Ray's main store after a refused fallback allocation
+    assert pin.covers(other) and len(reg.calls) == 2
+    del arr, other
+    mm.close()
+    mm2.close()
+
+
+def test_without_a_cuda_runtime_nothing_is_registered(monkeypatch):
+    from rayslice.data import _storepin
+
+    monkeypatch.setattr(_storepin, "_cudart", lambda: None)
+    pin = StorePinning()
+    mm, arr = _shared(1 << 16)
+    assert not pin.covers(arr) and pin.failure == "no CUDA runtime loaded in this process"
     del arr
     mm.close()
 

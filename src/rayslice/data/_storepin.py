@@ -100,7 +100,7 @@ class StorePinning:
     Attributes:
         registered: ``(start, end)`` of every mapping registered by this process.
         seconds: Time spent registering, in all.
-        failure: Why registration is off in this process (None while it works).
+        failure: The last reason a mapping was not registered (None while every one was).
     """
 
     def __init__(self, register: Any = None, max_bytes: int = MAX_BYTES) -> None:
@@ -111,12 +111,13 @@ class StorePinning:
         self._refused: set[tuple[int, int]] = set()
         self.seconds = 0.0
         self.failure: str | None = None
+        self._off = False  # no CUDA runtime in this process: nothing can be registered
 
     def _registrar(self) -> Any:
         if self._register is None:
             lib = _cudart()
             if lib is None:
-                self.failure = "no CUDA runtime loaded in this process"
+                self.failure, self._off = "no CUDA runtime loaded in this process", True
                 return None
 
             def register(address: int, size: int) -> int:
@@ -128,7 +129,7 @@ class StorePinning:
 
     def covers(self, a: np.ndarray) -> bool:
         """Whether ``a`` lies in registered (pinned) memory, registering its shared mapping if needed."""
-        if self.failure is not None or not a.flags.c_contiguous or a.nbytes == 0:
+        if self._off or not a.flags.c_contiguous or a.nbytes == 0:
             return False
         lo = a.ctypes.data
         hi = lo + a.nbytes
