@@ -320,7 +320,7 @@ def test_views_of_a_registered_store_go_as_they_are_and_the_rest_through_pinned_
     from rayslice.data._storepin import StorePinning
 
     registered = []
-    store = StorePinning(register=lambda address, size: registered.append(size) or 0)
+    store = StorePinning(register=lambda address, size, device: registered.append(size), accept=lambda m: m.shared)
     monkeypatch.setattr(feeder, "Transfers", functools.partial(feeder.Transfers, store=store))
     paths = []
     real = _transfer.Transfers._put_columns
@@ -342,6 +342,30 @@ def test_views_of_a_registered_store_go_as_they_are_and_the_rest_through_pinned_
     direct = [keys for keys, unpinned in paths if unpinned]
     assert ["x"] in direct and ["x", "y"] not in direct  # store views as they are; private rows pinned first
     assert (["x", "y"], False) in paths  # the batch spanning both blocks, assembled in a staging buffer
+
+
+@pytest.mark.parametrize("threads", [0, 2])
+def test_a_batch_of_store_views_and_a_staging_buffer_keeps_its_order_and_seals_the_buffer(threads):
+    import mmap
+
+    from rayslice.data._storepin import StorePinning
+    from rayslice.data._transfer import Transfers
+
+    sharding = iter_jax_batches(blocks([8]), batch_size=8)._feeder.sharding  # over every CPU device
+    store = StorePinning(register=lambda address, size, device: None, accept=lambda m: m.shared)
+    t = Transfers(sharding, staging="pinned", threads=threads, reuse_staging=True, store=store)
+    mm = mmap.mmap(-1, 1 << 16, flags=mmap.MAP_SHARED)
+    x = np.frombuffer(mm, dtype=np.float32)[:32].reshape(8, 4)
+    x[:] = np.arange(32).reshape(8, 4)
+    buf = t.ring.alloc((8, 4), np.dtype("float32"))  # a batch assembled in a staging buffer
+    buf[:] = -x
+    out = t.put({"y": buf, "x": x, "z": np.ones(8, np.int32)}, 8)
+    assert list(out) == ["y", "x", "z"] and store.registered  # x went as it is; y and z through pinned memory
+    for k, want in (("y", -x), ("x", x), ("z", np.ones(8))):
+        np.testing.assert_array_equal(np.asarray(out[k]), want)
+    jax.block_until_ready(out)
+    assert np.shares_memory(t.ring.alloc((8, 4), np.dtype("float32")), buf)  # sealed: lent again once copied
+    t.close()
 
 
 def mapping_size(a: np.ndarray) -> int:

@@ -9,16 +9,16 @@ devices of its sharding, column by column:
   (:class:`~rayslice.data._storepin.StorePinning`), so that is a DMA at the
   wire's rate with no host copy;
 * **through ``pinned_host`` memory** (other columns under ``"auto"`` on
-  accelerators, and ``"pinned"``): ``device_put`` into JAX's pinned host
+  accelerators with ``pinned_host`` memory, and ``"pinned"``): ``device_put`` into JAX's pinned host
   memory, then to the devices;
 * **as it is** (``"pageable"``, devices without ``pinned_host`` memory, and
   CPU devices under ``"auto"``, whose memory is host memory and which alias
   an aligned batch instead of copying it).
 
-Measured on an H200 host (docs/performance.md, *GPU host*): a pageable
-``device_put`` runs at 15-27 GB/s, through ``pinned_host`` 14-16 GB/s, and
-from the registered store 49-54 GB/s for 8-32 MB batches, against a CUDA
-copy from pinned memory of 52-55 GB/s. On a host with several local devices,
+Measured on an H200 host (docs/performance.md, *GPU host*), for 8-32 MB
+batches: the feeder with pageable ``device_put`` 14-18 GB/s, through
+``pinned_host`` 14-16 GB/s, from the registered store 49-54 GB/s, against a
+CUDA copy from pinned memory of 52-55 GB/s. On a host with several local devices,
 each device's rows are transferred from a thread pool (``transfer_threads``).
 Staging buffers the feeder assembled a batch in are lent again once the
 transfer that read them is done (:class:`~rayslice.data._staging.StagingRing`).
@@ -92,6 +92,7 @@ class Transfers:
         self.store = store
         if store is None and staging == "auto" and _is_cuda(self.local[0]):
             self.store = store_pinning()
+        self._cuda_ordinal = getattr(self.local[0], "local_hardware_id", None) if self.store is not None else None
         if threads is None:
             threads = min(8, len(self.local)) if self.platform != "cpu" and len(self.local) > 1 else 0
         self.threads = threads if process_count == 1 and len(self.local) > 1 else 0
@@ -128,17 +129,18 @@ class Transfers:
             v = jax.device_put(v, SingleDeviceSharding(device, memory_kind="pinned_host"))
         return jax.device_put(v, SingleDeviceSharding(device))
 
-    def _put_per_device(self, dev: Batch, pinned: bool) -> dict[str, Any]:
+    def _put_per_device(self, dev: Batch, direct: set[str]) -> dict[str, Any]:
         """Every device's rows of every column, transferred from the pool in parallel."""
         import jax
 
         pool = self._pool
         assert pool is not None
         jobs = {}
-        for k, v in dev.items():
+        for k, v in dev.items():  # every job submitted before any is waited on
             key = v.shape
             if key not in self._index_maps:
                 self._index_maps[key] = list(self.sharding.addressable_devices_indices_map(v.shape).items())
+            pinned = self.pinned is not None and k not in direct
             jobs[k] = [pool.submit(self._put_one, v[idx], d, pinned) for d, idx in self._index_maps[key]]
         return {
             k: jax.make_array_from_single_device_arrays(dev[k].shape, self.sharding, [f.result() for f in fs])
@@ -149,8 +151,6 @@ class Transfers:
         import jax
 
         if self.process_count == 1:
-            if self._pool is not None:
-                return self._put_per_device(dev, pinned is not None)
             if pinned is not None:  # into pinned host memory, then one DMA per device
                 return jax.device_put(jax.device_put(dict(dev), pinned), self.sharding)
             return jax.device_put(dict(dev), self.sharding)
@@ -166,14 +166,25 @@ class Transfers:
         transfer that reads it is done.
         """
         store = self.store
-        direct = {k: v for k, v in dev.items() if store is not None and store.covers(v)}
-        rest = {k: v for k, v in dev.items() if k not in direct}
-        out = self._put_columns(direct, rows, None) if direct else {}
-        if rest:
-            out.update(self._put_columns(rest, rows, self.pinned))
+        direct = {k for k, v in dev.items() if store is not None and self._in_store(v)}
+        if self._pool is not None:
+            out = self._put_per_device(dev, direct)
+        else:
+            out = self._put_columns({k: dev[k] for k in direct}, rows, None) if direct else {}
+            if len(direct) < len(dev):
+                out.update(self._put_columns({k: v for k, v in dev.items() if k not in direct}, rows, self.pinned))
+            out = {k: out[k] for k in dev}  # the batch's column order, whatever path each took
         if self.ring is not None:
             self.ring.seal(dev, out)
         return out
+
+    def _in_store(self, v: np.ndarray) -> bool:
+        """Whether ``v`` goes to the devices as it is, by DMA from the registered store."""
+        import jax
+
+        if jax.dtypes.canonicalize_dtype(v.dtype) != v.dtype:  # JAX would cast it on the host first
+            return False
+        return self.store is not None and self.store.covers(v, self._cuda_ordinal)
 
     def put_many(self, devs: list[Batch]) -> list[dict[str, Any]]:
         """Consecutive small batches in one ``device_put`` call (one process, no pool, no staging)."""

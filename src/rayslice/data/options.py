@@ -185,7 +185,7 @@ class FeederOptions:
             DMA to the devices), ``"pageable"`` (plain ``device_put``) or
             ``"auto"`` (default: on CUDA devices a batch that is a view of
             Ray's object store goes by DMA straight from the store, which is
-            registered with CUDA once per process (at most 32 GiB); other
+            registered with CUDA once per process (at most 64 GiB); other
             batches, and other accelerators with ``pinned_host`` memory, as
             ``"pinned"``; on CPU devices host memory *is* device memory and
             staging only adds a copy).
