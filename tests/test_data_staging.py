@@ -320,7 +320,9 @@ def test_views_of_a_registered_store_go_as_they_are_and_the_rest_through_pinned_
     from rayslice.data._storepin import StorePinning
 
     registered = []
-    store = StorePinning(register=lambda address, size, device: registered.append(size), accept=lambda m: m.shared)
+    store = StorePinning(
+        register=lambda address, size, device: registered.append(size), accept=lambda m, maps: m.shared
+    )
     monkeypatch.setattr(feeder, "Transfers", functools.partial(feeder.Transfers, store=store))
     paths = []
     real = _transfer.Transfers._put_columns
@@ -352,7 +354,7 @@ def test_a_batch_of_store_views_and_a_staging_buffer_keeps_its_order_and_seals_t
     from rayslice.data._transfer import Transfers
 
     sharding = iter_jax_batches(blocks([8]), batch_size=8)._feeder.sharding  # over every CPU device
-    store = StorePinning(register=lambda address, size, device: None, accept=lambda m: m.shared)
+    store = StorePinning(register=lambda address, size, device: None, accept=lambda m, maps: m.shared)
     t = Transfers(sharding, staging="pinned", threads=threads, reuse_staging=True, store=store)
     mm = mmap.mmap(-1, 1 << 16, flags=mmap.MAP_SHARED)
     x = np.frombuffer(mm, dtype=np.float32)[:32].reshape(8, 4)

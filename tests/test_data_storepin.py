@@ -16,17 +16,17 @@ class _Register:
     """Stands in for cudaHostRegister: records (address, size, device); ``error`` is what it answers."""
 
     def __init__(self, error: str | None = None) -> None:
-        self.error, self.calls = error, []
+        self.error, self.calls, self.devices = error, [], []
 
     def __call__(self, address: int, size: int, device: int | None) -> str | None:
         self.calls.append((address, size))
-        self.devices = getattr(self, "devices", []) + [device]
+        self.devices.append(device)
         return self.error
 
 
 def _pinning(reg: _Register, **kw) -> StorePinning:
     # Anonymous shared mappings stand in for Ray's /dev/shm/plasma... store.
-    return StorePinning(register=reg, accept=lambda m: m.shared, **kw)
+    return StorePinning(register=reg, accept=lambda m, maps: m.shared, **kw)
 
 
 def _shared(nbytes: int) -> tuple[mmap.mmap, np.ndarray]:
@@ -107,7 +107,7 @@ def test_a_failing_registrar_is_a_refusal_not_an_error():
     def boom(address, size, device):
         raise AttributeError("no cudaHostRegister in this library")
 
-    pin = StorePinning(register=boom, accept=lambda m: m.shared)
+    pin = StorePinning(register=boom, accept=lambda m, maps: m.shared)
     mm, arr = _shared(1 << 16)
     assert not pin.covers(arr) and "AttributeError" in (pin.failure or "")
     del arr
@@ -118,7 +118,7 @@ def test_without_a_cuda_runtime_nothing_is_registered(monkeypatch):
     from rayslice.data import _storepin
 
     monkeypatch.setattr(_storepin, "_cudart", lambda: None)
-    pin = StorePinning(accept=lambda m: m.shared)
+    pin = StorePinning(accept=lambda m, maps: m.shared)
     mm, arr = _shared(1 << 16)
     assert not pin.covers(arr) and pin.failure == "no CUDA runtime loaded in this process"
     del arr

@@ -95,27 +95,14 @@ def all_mappings() -> list[Mapping]:
         return []
 
 
-def mapping_of(address: int) -> Mapping | None:
-    """The mapping of this process holding ``address`` (None where none does, or not on Linux)."""
-    try:
-        with open("/proc/self/maps") as f:
-            for line in f:
-                m = parse_maps_line(line)
-                if m.start <= address < m.end:
-                    return m
-    except OSError:
-        return None
-    return None
+def mapping_of(address: int, maps: list[Mapping] | None = None) -> Mapping | None:
+    """The mapping holding ``address`` among ``maps`` (default: this process's; None where none does)."""
+    return next((m for m in (all_mappings() if maps is None else maps) if m.start <= address < m.end), None)
 
 
 def _cudart() -> Any:
     """The CUDA runtime this process has loaded (JAX's), else one the loader finds; None without CUDA."""
-    paths: list[str] = []
-    try:
-        with open("/proc/self/maps") as f:
-            paths = [p for p in (line.split(maxsplit=5)[-1].strip() for line in f) if "libcudart.so" in p]
-    except OSError:
-        pass
+    paths = [m.path for m in all_mappings() if "libcudart.so" in m.path]
     for name in [*dict.fromkeys(paths), "libcudart.so.13", "libcudart.so.12", "libcudart.so"]:
         try:
             lib = ctypes.CDLL(name)
@@ -162,7 +149,8 @@ class StorePinning:
     Args:
         register: ``(address, size, device) -> None or an error`` (None: the CUDA
             runtime's ``cudaHostRegister``, loaded on first use); for tests.
-        accept: Which mappings may be registered (default: Ray's main store, :func:`is_ray_store`).
+        accept: ``(mapping, all of this process's mappings) -> bool``: which mappings may
+            be registered (default: Ray's main store, :func:`is_ray_store`).
         max_bytes: The largest mapping registered.
 
     Attributes:
@@ -174,7 +162,7 @@ class StorePinning:
     def __init__(self, register: Any = None, accept: Any = None, max_bytes: int = MAX_BYTES) -> None:
         self.max_bytes = max_bytes
         self._register = register
-        self._accept = accept or (lambda m: is_ray_store(m, all_mappings()))
+        self._accept = accept or is_ray_store
         self._lock = threading.Lock()
         self.registered: list[tuple[int, int]] = []
         self._elsewhere: list[tuple[int, int]] = []  # mappings seen and not registered (private, refused...)
@@ -211,10 +199,11 @@ class StorePinning:
         with self._lock:
             if any(s <= lo and hi <= e for s, e in self.registered):
                 return True
-            m = mapping_of(lo)
+            maps = all_mappings()
+            m = mapping_of(lo, maps)
             if m is None:
                 return False
-            if not self._accept(m) or hi > m.end:
+            if not self._accept(m, maps) or hi > m.end:
                 self._elsewhere.append((m.start, m.end))
                 return False
             if m.size > self.max_bytes:

@@ -165,8 +165,7 @@ class Transfers:
         A staging buffer the batch was assembled in is lent again once the
         transfer that reads it is done.
         """
-        store = self.store
-        direct = {k for k, v in dev.items() if store is not None and self._in_store(v)}
+        direct = {k for k, v in dev.items() if self._in_store(v)}
         if self._pool is not None:
             out = self._put_per_device(dev, direct)
         else:
@@ -182,9 +181,9 @@ class Transfers:
         """Whether ``v`` goes to the devices as it is, by DMA from the registered store."""
         import jax
 
-        if jax.dtypes.canonicalize_dtype(v.dtype) != v.dtype:  # JAX would cast it on the host first
+        if self.store is None or jax.dtypes.canonicalize_dtype(v.dtype) != v.dtype:  # JAX would cast it first
             return False
-        return self.store is not None and self.store.covers(v, self._cuda_ordinal)
+        return self.store.covers(v, self._cuda_ordinal)
 
     def put_many(self, devs: list[Batch]) -> list[dict[str, Any]]:
         """Consecutive small batches in one ``device_put`` call (one process, no pool, no staging)."""

@@ -153,14 +153,12 @@ class _Feeder:
 
     # -- transfers ------------------------------------------------------
     def _to_global(self, batch: Batch, rows: int) -> dict[str, Any]:
-
         dev, host = self._split_host(batch)
         out = self._transfers.put(dev, rows)  # its staging buffers are lent again once copied
         return {**out, **host}
 
     def _to_global_group(self, group: list[tuple[Batch, int]]) -> list[dict[str, Any]]:
         """:meth:`_to_global` of consecutive batches, their device columns in one ``device_put`` call."""
-
         if len(group) == 1:
             return [self._to_global(*group[0])]
         dev, host = zip(*(self._split_host(b) for b, _ in group), strict=True)
