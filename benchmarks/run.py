@@ -90,7 +90,7 @@ def main() -> int:
     )
     # Serving latency is a few ms on top of ~20 ms of Serve's own CPU per request on this
     # 2-core machine: it gets a cluster of its own, as a deployment would, not the leftovers
-    # (idle trainer processes, a broken slice's host) of the rows above. Both deployments
+    # (idle trainer processes, the overhead rows' third slice) of the rows above. Both deployments
     # (slice and plain) and the floor are still measured on that one cluster, interleaved.
     srv = _own_process(console, "serving latency and throughput (own cluster)", "bench_serve.py", "run")
     prod = _own_process(

@@ -88,6 +88,8 @@ def test_an_object_array_or_unknown_object_is_never_taken_for_plain_data():
     holder[0] = ref
     assert _pack(print, (holder,), {}) is None  # found by cloudpickle's walk, not by the fast path
     assert _pack(print, ({"k": [1, 2, {"deep": holder}]},), {}) is None
+    held = {"r": ref}
+    assert _pack(held.get, ("r",), {}) is None  # a builtin bound to an object carries that object
     many = tuple(range(1000))  # beyond the fast path's item limit: still packed, by cloudpickle
     assert _loaded(_pack(len, (many,), {})) == 1000
 

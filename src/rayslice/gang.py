@@ -36,6 +36,7 @@ import io
 import os
 import pickle
 import socket
+import types
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
@@ -439,13 +440,13 @@ def _by_reference(fn: Any) -> bool:
     registered with ``cloudpickle.register_pickle_by_value`` (sent by value).
 
     Example:
-        >>> _by_reference(divmod), _by_reference(lambda: 1)
-        (True, False)
+        >>> _by_reference(divmod), _by_reference(lambda: 1), _by_reference({}.get)
+        (True, False, False)
     """
-    import types
-
     if not isinstance(fn, types.FunctionType | types.BuiltinFunctionType):
         return False  # a bound method or a callable object: pickled with its state
+    if not isinstance(getattr(fn, "__self__", None), types.ModuleType | None):
+        return False  # a builtin bound to an object ({...}.get): pickled with that object
     try:
         return _BY_REFERENCE[fn]
     except (KeyError, TypeError):
