@@ -395,6 +395,13 @@ def test_gpu_benchmark_reports_no_gpu_cleanly_without_starting_anything(capsys):
     out = capsys.readouterr()
     assert "GPU benchmark skipped: no GPU" in out.err and '"skipped"' in out.out
     assert mod.main(["--gpus"]) == 2
+    assert mod.main(["--gpu", "sizes_mb=4,8"]) == 0  # a size list is taken (and nothing measured here)
+    assert mod.main(["--gpu", "sizes_mb=4,x"]) == 2
+    assert mod.main(["sizes_mb=4"]) == 2  # the CPU benchmark has no sizes
+    assert "sizes_mb" in capsys.readouterr().err
+    assert mod.main(["--gpu", "rounds=3"]) == 2 and mod.main(["repeats=0"]) == 2  # nothing started
+    err = capsys.readouterr().err
+    assert "unknown option(s) ['rounds']" in err and "'repeats=0': expected repeats=<positive integer>" in err
 
 
 def test_h2d_mechanism_benchmark_skips_without_a_gpu_and_its_dry_run_measures_the_jax_rows(capsys, monkeypatch):
@@ -418,3 +425,10 @@ def test_h2d_mechanism_benchmark_skips_without_a_gpu_and_its_dry_run_measures_th
         assert entry["vs_wire"]["pinned"] == 1.0 and all(v["median"] > 0 for k, v in entry.items() if k != "vs_wire")
     assert json.loads(json.dumps(r)) == r
     assert mod.main(["--gpus"]) == 2
+    assert mod.main(["--gpu", "sizes_mb=4,8"]) == 0  # a size list is taken (and nothing measured here)
+    assert mod.main(["--gpu", "sizes_mb=4,x"]) == 2
+    assert mod.main(["sizes_mb=4"]) == 2  # the CPU benchmark has no sizes
+    assert "sizes_mb" in capsys.readouterr().err
+    assert mod.main(["--gpu", "rounds=3"]) == 2 and mod.main(["repeats=0"]) == 2  # nothing started
+    err = capsys.readouterr().err
+    assert "unknown option(s) ['rounds']" in err and "'repeats=0': expected repeats=<positive integer>" in err
