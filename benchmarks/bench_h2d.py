@@ -20,7 +20,8 @@ Without a GPU it says so and measures nothing; ``--dry-run`` runs the JAX rows
 on CPU devices (small sizes) to test this script. CuPy rows are skipped when
 CuPy is not installed.
 
-Usage: ``python benchmarks/bench_h2d.py [--dry-run] [rounds=N]``; the last line is JSON.
+Usage: ``python benchmarks/bench_h2d.py [--dry-run] [rounds=N] [sizes_mb=4,16] [threads=N]``; the
+last line is JSON. A bad option is refused with one line and exit status 2, before anything starts.
 """
 
 from __future__ import annotations
@@ -155,14 +156,32 @@ def run(dry_run: bool = False, rounds: int = 5, sizes_mb: tuple[int, ...] = (4, 
     return result
 
 
+_USAGE = "bench_h2d.py [--dry-run] [rounds=N] [sizes_mb=4,16,64] [threads=N]"
+
+
 def main(argv: list[str]) -> int:
     import json
 
     flags = {a for a in argv if a.startswith("--")}
     if flags - {"--dry-run"}:
-        print("usage: bench_h2d.py [--dry-run] [rounds=N]", file=sys.stderr)
+        print(f"unknown flag(s) {sorted(flags - {'--dry-run'})}; usage: {_USAGE}", file=sys.stderr)
         return 2
-    kwargs = {k: int(v) for k, v in (a.split("=") for a in argv if not a.startswith("--"))}
+    kwargs: dict[str, Any] = {}
+    for a in argv:
+        if a.startswith("--"):
+            continue
+        k, _, v = a.partition("=")
+        if k not in ("rounds", "sizes_mb", "threads"):
+            print(f"unknown option {k!r}; usage: {_USAGE}", file=sys.stderr)
+            return 2
+        try:  # sizes_mb=4,16 is a list; rounds and threads one integer each
+            values = [int(x) for x in v.split(",")] if k == "sizes_mb" else [int(v)]
+        except ValueError:
+            values = []
+        if not values or min(values) < 1:
+            print(f"{a!r}: expected {k}=<positive integer{'s, e.g. 4,16' if k == 'sizes_mb' else ''}>", file=sys.stderr)
+            return 2
+        kwargs[k] = tuple(sorted(values)) if k == "sizes_mb" else values[0]
     r = run(dry_run="--dry-run" in flags, **kwargs)
     if "skipped" in r:
         print(f"skipped: {r['skipped']}", file=sys.stderr)

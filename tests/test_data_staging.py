@@ -425,10 +425,11 @@ def test_h2d_mechanism_benchmark_skips_without_a_gpu_and_its_dry_run_measures_th
         assert entry["vs_wire"]["pinned"] == 1.0 and all(v["median"] > 0 for k, v in entry.items() if k != "vs_wire")
     assert json.loads(json.dumps(r)) == r
     assert mod.main(["--gpus"]) == 2
-    assert mod.main(["--gpu", "sizes_mb=4,8"]) == 0  # a size list is taken (and nothing measured here)
-    assert mod.main(["--gpu", "sizes_mb=4,x"]) == 2
-    assert mod.main(["sizes_mb=4"]) == 2  # the CPU benchmark has no sizes
-    assert "sizes_mb" in capsys.readouterr().err
-    assert mod.main(["--gpu", "rounds=3"]) == 2 and mod.main(["repeats=0"]) == 2  # nothing started
+    capsys.readouterr()
+    assert mod.main(["--gpu"]) == 2 and mod.main(["repeats=3"]) == 2  # nothing started
+    assert mod.main(["sizes_mb=4,x"]) == 2 and mod.main(["rounds=0"]) == 2 and mod.main(["threads"]) == 2
     err = capsys.readouterr().err
-    assert "unknown option(s) ['rounds']" in err and "'repeats=0': expected repeats=<positive integer>" in err
+    assert "unknown flag(s) ['--gpu']" in err and "unknown option 'repeats'" in err
+    assert "'sizes_mb=4,x': expected sizes_mb=<positive integers" in err and "'rounds=0'" in err
+    if not (os.path.exists("/dev/nvidiactl") or os.path.exists("/proc/driver/nvidia")):
+        assert mod.main(["sizes_mb=8,4", "threads=2"]) == 0  # taken; skipped here, nothing measured
