@@ -31,7 +31,6 @@ GPU mode (``python benchmarks/bench_data.py --gpu [--dry-run]``): see
 
 from __future__ import annotations
 
-import inspect
 import os
 import statistics
 import sys
@@ -39,6 +38,8 @@ import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
+
+from _options import parse_options  # benchmarks/ is on the path: the script's folder, or run.py's
 
 GOAL_VS_LIMIT = 0.9
 GOAL_VS_RAY = 2.0
@@ -667,35 +668,16 @@ def _print_gpu(r: dict[str, Any]) -> None:
         )
 
 
+_USAGE = "bench_data.py [--gpu [--dry-run]] [rows=N] [repeats=N] [sizes_mb=4,8 (with --gpu)]"
+
+
 def main(argv: list[str]) -> int:
     import json
 
-    flags = {a for a in argv if a.startswith("--")}
-    unknown = flags - {"--gpu", "--dry-run"}
-    if unknown:
-        print(
-            f"unknown flag(s) {sorted(unknown)}; usage: bench_data.py [--gpu [--dry-run]] [rows=N] "
-            "[repeats=N] [sizes_mb=4,8 (with --gpu)]",
-            file=sys.stderr,
-        )
-        return 2
-    kwargs: dict[str, Any] = {}
-    for a in argv:
-        if a.startswith("--"):
-            continue
-        k, _, v = a.partition("=")
-        try:  # sizes_mb=4,8 (GPU only; the largest also feeds the step); every other option one integer
-            values = [int(x) for x in v.split(",")] if k == "sizes_mb" else [int(v)]
-        except ValueError:
-            values = []
-        if not values or min(values) < 1:
-            print(f"{a!r}: expected {k}=<positive integer{'s, e.g. 4,8' if k == 'sizes_mb' else ''}>", file=sys.stderr)
-            return 2
-        kwargs[k] = tuple(sorted(values)) if k == "sizes_mb" else values[0]
-    target = run_gpu if "--gpu" in flags else run
-    known = set(inspect.signature(target).parameters) - {"dry_run"}
-    if set(kwargs) - known:
-        print(f"unknown option(s) {sorted(set(kwargs) - known)}; this benchmark takes {sorted(known)}", file=sys.stderr)
+    try:
+        flags, kwargs = parse_options(argv, {"--gpu", "--dry-run"}, _USAGE, lambda f: run_gpu if "--gpu" in f else run)
+    except ValueError as e:
+        print(e, file=sys.stderr)
         return 2
     if "--gpu" in flags:
         result = run_gpu(dry_run="--dry-run" in flags, **kwargs)

@@ -34,6 +34,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from _options import parse_options  # benchmarks/ is on the path: the script's folder
+
 
 def _spread(xs: list[float]) -> dict[str, float]:
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
@@ -162,26 +164,11 @@ _USAGE = "bench_h2d.py [--dry-run] [rounds=N] [sizes_mb=4,16,64] [threads=N]"
 def main(argv: list[str]) -> int:
     import json
 
-    flags = {a for a in argv if a.startswith("--")}
-    if flags - {"--dry-run"}:
-        print(f"unknown flag(s) {sorted(flags - {'--dry-run'})}; usage: {_USAGE}", file=sys.stderr)
+    try:
+        flags, kwargs = parse_options(argv, {"--dry-run"}, _USAGE, lambda f: run)
+    except ValueError as e:
+        print(e, file=sys.stderr)
         return 2
-    kwargs: dict[str, Any] = {}
-    for a in argv:
-        if a.startswith("--"):
-            continue
-        k, _, v = a.partition("=")
-        if k not in ("rounds", "sizes_mb", "threads"):
-            print(f"unknown option {k!r}; usage: {_USAGE}", file=sys.stderr)
-            return 2
-        try:  # sizes_mb=4,16 is a list; rounds and threads one integer each
-            values = [int(x) for x in v.split(",")] if k == "sizes_mb" else [int(v)]
-        except ValueError:
-            values = []
-        if not values or min(values) < 1:
-            print(f"{a!r}: expected {k}=<positive integer{'s, e.g. 4,16' if k == 'sizes_mb' else ''}>", file=sys.stderr)
-            return 2
-        kwargs[k] = tuple(sorted(values)) if k == "sizes_mb" else values[0]
     r = run(dry_run="--dry-run" in flags, **kwargs)
     if "skipped" in r:
         print(f"skipped: {r['skipped']}", file=sys.stderr)

@@ -378,13 +378,19 @@ def mapping_size(a: np.ndarray) -> int:
     return m.size
 
 
-def test_gpu_benchmark_reports_no_gpu_cleanly_without_starting_anything(capsys):
+def test_gpu_benchmark_reports_no_gpu_cleanly_without_starting_anything(capsys, monkeypatch):
     import importlib.util
     import os
     import sys
 
     if os.path.exists("/dev/nvidiactl") or os.path.exists("/proc/driver/nvidia"):  # what the benchmark checks
         pytest.skip("a GPU host: the benchmark would measure")
+    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(__file__), "..", "benchmarks"))  # as run.py has it
+    import doctest
+
+    import _options  # the command line of both benchmark scripts: its doctest runs here
+
+    assert doctest.testmod(_options, optionflags=doctest.ELLIPSIS).failed == 0
     path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "bench_data.py")
     spec = importlib.util.spec_from_file_location("bench_data_under_test", path)
     mod = importlib.util.module_from_spec(spec)
@@ -411,6 +417,7 @@ def test_h2d_mechanism_benchmark_skips_without_a_gpu_and_its_dry_run_measures_th
 
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")  # the dry run sets it: restored after the test
 
+    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(__file__), "..", "benchmarks"))  # as the script has it
     path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "bench_h2d.py")
     spec = importlib.util.spec_from_file_location("bench_h2d_under_test", path)
     mod = importlib.util.module_from_spec(spec)
@@ -429,7 +436,7 @@ def test_h2d_mechanism_benchmark_skips_without_a_gpu_and_its_dry_run_measures_th
     assert mod.main(["--gpu"]) == 2 and mod.main(["repeats=3"]) == 2  # nothing started
     assert mod.main(["sizes_mb=4,x"]) == 2 and mod.main(["rounds=0"]) == 2 and mod.main(["threads"]) == 2
     err = capsys.readouterr().err
-    assert "unknown flag(s) ['--gpu']" in err and "unknown option 'repeats'" in err
+    assert "unknown flag(s) ['--gpu']" in err and "unknown option(s) ['repeats']" in err
     assert "'sizes_mb=4,x': expected sizes_mb=<positive integers" in err and "'rounds=0'" in err
     if not (os.path.exists("/dev/nvidiactl") or os.path.exists("/proc/driver/nvidia")):
         assert mod.main(["sizes_mb=8,4", "threads=2"]) == 0  # taken; skipped here, nothing measured
