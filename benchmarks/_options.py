@@ -1,24 +1,79 @@
 """A benchmark script's command line: ``--flag`` words and ``key=value`` options, checked before anything starts.
 
 The options a script takes are its run function's keyword parameters (``dry_run``
-aside, which is a flag); one whose default is a tuple takes a comma-separated list
-(``sizes_mb=4,8``, returned sorted), every other one a positive integer.
+aside, which is a flag), read as the parameter's annotation says: ``int`` a positive
+integer, ``float`` a positive number, ``bool`` ``0``/``1`` (or ``true``/``false``),
+``str`` any text that is not empty, ``tuple[int, ...]`` a comma-separated list of
+positive integers (``sizes_mb=4,8``, returned sorted). An optional parameter
+(``float | None = None``) takes the same values as its type; an option given twice
+is refused.
 
 Example:
-    >>> def run(dry_run=False, repeats=5, sizes_mb=(4, 8)): ...
-    >>> parse_options(["--gpu", "sizes_mb=8,4"], {"--gpu"}, "demo.py [--gpu]", lambda flags: run)
-    ({'--gpu'}, {'sizes_mb': (4, 8)})
+    >>> def run(dry_run: bool = False, repeats: int = 5, sizes_mb: tuple[int, ...] = (4, 8), step_s: float = 0.2):
+    ...     pass
+    >>> parse_options(["--gpu", "sizes_mb=8,4", "step_s=0.5"], {"--gpu"}, "demo.py [--gpu]", lambda flags: run)
+    ({'--gpu'}, {'sizes_mb': (4, 8), 'step_s': 0.5})
     >>> parse_options(["rows=3"], set(), "demo.py", lambda flags: run)
     Traceback (most recent call last):
     ...
-    ValueError: unknown option(s) ['rows']; this benchmark takes ['repeats', 'sizes_mb']
+    ValueError: unknown option(s) ['rows']; this benchmark takes ['repeats', 'sizes_mb', 'step_s']
+    >>> parse_options(["step_s=-1"], set(), "demo.py", lambda flags: run)
+    Traceback (most recent call last):
+    ...
+    ValueError: 'step_s=-1': expected step_s=<positive number>
 """
 
 from __future__ import annotations
 
 import inspect
+import math
+import types
+import typing
 from collections.abc import Callable
 from typing import Any
+
+_TRUE, _FALSE = ("1", "true", "yes"), ("0", "false", "no")
+_EXPECTED = {
+    int: "positive integer",
+    float: "positive number",
+    bool: "0 or 1",
+    str: "text",
+    tuple: "positive integers, e.g. 4,8",
+}
+
+
+def _kind(param: inspect.Parameter, hint: Any) -> type:
+    """The option's kind (one of ``_EXPECTED``'s keys): from the annotation, else from the default's type."""
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        hint = args[0] if len(args) == 1 else None
+    kind = typing.get_origin(hint) or hint
+    if kind not in _EXPECTED:
+        kind = type(param.default)
+    if kind not in _EXPECTED:
+        raise TypeError(f"option {param.name!r}: no command-line reading for {hint or param.default!r}")
+    return kind
+
+
+def _value(kind: type, text: str) -> Any:
+    """``text`` read as ``kind``; ValueError if it is not a valid value of it."""
+    if kind is bool:
+        if text.lower() not in _TRUE + _FALSE:
+            raise ValueError(text)
+        return text.lower() in _TRUE
+    if kind is str:
+        if not text:
+            raise ValueError(text)
+        return text
+    if kind is tuple:
+        values = [int(x) for x in text.split(",")]
+        if min(values) < 1:
+            raise ValueError(text)
+        return tuple(sorted(values))
+    number = kind(text)
+    if not (math.isfinite(number) and number > 0):
+        raise ValueError(text)
+    return number
 
 
 def parse_options(
@@ -30,7 +85,7 @@ def parse_options(
     """The flags given, and the options as keyword arguments of the run function the flags pick.
 
     Args:
-        argv: The words after the script's name.
+        argv: The words after the script's name (and after its sub-command, if it has them).
         flags_known: The ``--flag`` words the script takes.
         usage: The script's usage line, shown after an unknown flag.
         target_for: Picks the run function from the flags given; its keyword parameters
@@ -44,19 +99,25 @@ def parse_options(
     if flags - flags_known:
         raise ValueError(f"unknown flag(s) {sorted(flags - flags_known)}; usage: {usage}")
     target = target_for(flags)
-    params = {k: p for k, p in inspect.signature(target).parameters.items() if k != "dry_run"}
+    try:
+        hints = typing.get_type_hints(target)
+    except (NameError, TypeError):  # an annotation that does not resolve here: the defaults' types say it
+        hints = {}
+    params = {
+        k: _kind(p, hints.get(k))
+        for k, p in inspect.signature(target).parameters.items()
+        if k != "dry_run" and p.default is not inspect.Parameter.empty
+    }
     words = [(a, *a.partition("=")[::2]) for a in argv if not a.startswith("--")]
     unknown = sorted({k for _, k, _ in words} - set(params))
     if unknown:
         raise ValueError(f"unknown option(s) {unknown}; this benchmark takes {sorted(params)}")
     kwargs: dict[str, Any] = {}
     for word, k, v in words:
-        is_list = isinstance(params[k].default, tuple)
+        if k in kwargs:
+            raise ValueError(f"{k!r} given twice; give each option once")
         try:
-            values = [int(x) for x in v.split(",")] if is_list else [int(v)]
+            kwargs[k] = _value(params[k], v)
         except ValueError:
-            values = []
-        if not values or min(values) < 1:
-            raise ValueError(f"{word!r}: expected {k}=<positive integer{'s, e.g. 4,8' if is_list else ''}>")
-        kwargs[k] = tuple(sorted(values)) if is_list else values[0]
+            raise ValueError(f"{word!r}: expected {k}=<{_EXPECTED[params[k]]}>") from None
     return flags, kwargs

@@ -45,6 +45,8 @@ import threading
 import time
 from typing import Any
 
+from _options import parse_options  # benchmarks/ is on the path: the script's folder, or run.py's
+
 GOAL_SHRINK_S = 3.0
 GOAL_GOODPUT = 0.9
 SHAPE = ("TPU-V4", "2x2x1")
@@ -460,15 +462,21 @@ def rows(out: dict[str, Any]) -> list[tuple[str, ...]]:
     ]
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    """Runs :func:`run` with ``key=value`` arguments (rounds, steps, step_s) and prints one JSON line."""
+_USAGE = "bench_elastic.py [rounds=N] [steps=N] [step_s=SECONDS]"
+
+
+def main(argv: list[str]) -> int:
+    """Runs :func:`run` with ``key=value`` options (rounds, steps, step_s); one JSON line; 2 on a bad option."""
     import json
 
-    kw = dict(a.split("=", 1) for a in (sys.argv[1:] if argv is None else argv))
-    out = run(rounds=int(kw.get("rounds", 3)), steps=int(kw.get("steps", STEPS)), step_s=float(kw.get("step_s", 0.2)))
-    print(json.dumps(out))
-    return out
+    try:
+        _, kwargs = parse_options(argv, set(), _USAGE, lambda _: run)
+    except ValueError as e:
+        print(e, file=sys.stderr)
+        return 2
+    print(json.dumps(run(**kwargs)))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main(sys.argv[1:]))

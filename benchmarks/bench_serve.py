@@ -28,6 +28,8 @@ from typing import Any
 
 import numpy as np
 
+from _options import parse_options  # benchmarks/ is on the path: the script's folder, or run.py's
+
 GOAL_ADDED_P50_MS = 2.0
 BATCH = {"max_batch_size": 16, "batch_wait_timeout_s": 0.001}
 
@@ -333,20 +335,27 @@ def parts(calls: int = 200, rounds: int = 5) -> dict[str, Any]:
     return out
 
 
-if __name__ == "__main__":
+_USAGE = "bench_serve.py {parts [calls=N] [rounds=N] | run [requests_n=N] [seconds=S] [clients=N] [rounds=N]}"
+
+
+def main(argv: list[str]) -> int:
+    """``parts`` or ``run`` with ``key=value`` options, on a cluster of its own; one JSON line; 2 on bad words."""
     import json
 
-    if sys.argv[1:2] == ["parts"]:  # python benchmarks/bench_serve.py parts [calls=N] [rounds=N]
-        from rayslice.sim import SimulatedCluster, SliceSpec
+    from rayslice.sim import SimulatedCluster, SliceSpec
 
-        kw = {k: int(v) for k, v in (a.split("=") for a in sys.argv[2:])}
-        with SimulatedCluster([SliceSpec("TPU-V4", "2x2x2", name="bench-a"), SliceSpec("TPU-V4", "2x2x2")]):
-            print(json.dumps(parts(**kw)))
-    elif sys.argv[1:2] == ["run"]:  # python benchmarks/bench_serve.py run [requests_n=N] [rounds=N]
-        from rayslice.sim import SimulatedCluster, SliceSpec
+    target = {"parts": parts, "run": run}.get(argv[0] if argv else "")
+    try:
+        if target is None:
+            raise ValueError(f"expected a sub-command, parts or run; usage: {_USAGE}")
+        _, kwargs = parse_options(argv[1:], set(), _USAGE, lambda _: target)
+    except ValueError as e:
+        print(e, file=sys.stderr)
+        return 2
+    with SimulatedCluster([SliceSpec("TPU-V4", "2x2x2", name="bench-a"), SliceSpec("TPU-V4", "2x2x2")]):
+        print(json.dumps(target(**kwargs)))
+    return 0
 
-        kw = {k: int(v) for k, v in (a.split("=") for a in sys.argv[2:])}
-        with SimulatedCluster([SliceSpec("TPU-V4", "2x2x2", name="bench-a"), SliceSpec("TPU-V4", "2x2x2")]):
-            print(json.dumps(run(**kw)))
-    else:
-        sys.exit("usage: python benchmarks/bench_serve.py {parts [calls=N] [rounds=N] | run [requests_n=N] [rounds=N]}")
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

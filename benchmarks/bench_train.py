@@ -22,6 +22,8 @@ import tempfile
 import time
 from typing import Any
 
+from _options import parse_options  # benchmarks/ is on the path: the script's folder, or run.py's
+
 
 def _ship_by_value() -> None:
     # Hosts cannot import benchmarks/ or tests/: send these functions by value.
@@ -689,8 +691,8 @@ def production(
 
     from rayslice.sim import SimulatedCluster, SliceSpec
 
+    chosen = _check_parts(parts)
     _ship_by_value()
-    chosen = {p.strip() for p in parts.split(",")}  # ("ray" is not "rayslice")
     shape = ("TPU-V4", "2x2x2")
     out: dict[str, Any] = {"rounds": rounds, "steps": steps, "step_s": step_s, "kills": list(kills)}
     out["heartbeat_timeout_s"] = heartbeat_timeout_s
@@ -865,9 +867,81 @@ def _ray_chaos(ray: dict[str, Any]) -> str:
     return f"{ray['ratio']:.2f} ({ray['clean']:.0f} s -> {ray['chaos']:.0f} s, ray.train.v2.jax.JaxTrainer)"
 
 
-if __name__ == "__main__":
+def overhead_alone(
+    target_ms: float | None = None,
+    phase_steps: int | None = None,
+    pairs: int | None = None,
+    warmup_s: float = 8.0,
+    pipelined: bool = False,
+) -> list[dict[str, Any]]:
+    """The per-step overhead rows alone (both, or the one of ``target_ms``), on a cluster like make bench's.
+
+    ``phase_steps`` and ``pairs`` default to each row's own (``OVERHEAD_CASES``).
+    """
+    from rayslice.sim import SimulatedCluster, SliceSpec
+
+    cases = _check_target(target_ms)
+    spec = [SliceSpec("TPU-V4", "2x2x2", name="bench-a"), SliceSpec("TPU-V4", "2x2x2", name="bench-b")]
+    with SimulatedCluster([*spec, SliceSpec(*OVERHEAD_SHAPE, name="bench-c")]):
+        return [
+            overhead(target, phase_steps or n, pairs or p, warmup_s=warmup_s, pipelined=pipelined)
+            for target, _goal, n, p in cases
+        ]
+
+
+_PARTS = ("recovery", "rayslice", "ray")
+_SUBCOMMANDS = {"production": production, "report_cost": report_cost, "overhead": overhead_alone}
+_USAGE = (
+    "bench_train.py {production [rounds=N] [chaos_rounds=N] [parts=recovery,rayslice,ray] ... "
+    "| report_cost [rounds=N] [steps=N] [step_ms=MS] | overhead [target_ms=3.5|50] [pairs=N] [pipelined=1] ...}"
+)
+
+
+def _check_parts(parts: str) -> set[str]:
+    """``production``'s ``parts`` as a set; ValueError (one line) for a name not among ``_PARTS``."""
+    chosen = {p.strip() for p in parts.split(",")}  # ("ray" is not "rayslice")
+    if not chosen <= set(_PARTS):
+        raise ValueError(f"parts={parts!r}: expected a comma-separated choice of {', '.join(_PARTS)}")
+    return chosen
+
+
+def _check_target(target_ms: float | None) -> list[tuple[float, float, int, int]]:
+    """The overhead rows of ``target_ms`` (all if None); ValueError (one line) if no row has that step."""
+    cases = [c for c in OVERHEAD_CASES if target_ms in (None, c[0])]
+    if not cases:
+        raise ValueError(f"target_ms={target_ms:g}: expected one of the rows' steps, {[c[0] for c in OVERHEAD_CASES]}")
+    return cases
+
+
+_CHECKS = {"production": ("parts", _check_parts), "overhead": ("target_ms", _check_target)}
+
+
+def main(argv: list[str]) -> int:
+    """One sub-command (production, report_cost, overhead) with ``key=value`` options; its JSON last; 2 on bad words."""
     import json
 
+    target = _SUBCOMMANDS.get(argv[0] if argv else "")
+    try:
+        if target is None:
+            raise ValueError(f"expected a sub-command, one of {', '.join(_SUBCOMMANDS)}; usage: {_USAGE}")
+        _, kwargs = parse_options(argv[1:], set(), _USAGE, lambda _: target)
+        if argv[0] in _CHECKS and _CHECKS[argv[0]][0] in kwargs:  # what the option's type alone does not say
+            name, check = _CHECKS[argv[0]]
+            check(kwargs[name])
+    except ValueError as e:
+        print(e, file=sys.stderr)
+        return 2
+    out = target(**kwargs)
+    if target is report_cost:  # report() warm vs right after a CPU step, one process, no Ray
+        print(f"step {out['step_ms']:.2f} ms ({out['size']} matmuls), {out['rounds']} rounds; us: median [min, max]")
+        for k, v in out.items():
+            if isinstance(v, tuple):
+                print(f"  {k:<22} {v[0]:7.1f}  [{v[1]:.1f}, {v[2]:.1f}]")
+    print(json.dumps(out))  # the last line: what make bench reads
+    return 0
+
+
+if __name__ == "__main__":
     sys.path.insert(0, __file__.rsplit("/", 2)[0])
     if sys.argv[1:2] == ["ray_fit"]:  # a driver of its own for one Ray JaxTrainer run (see _fit_ray_bounded)
         import ray
@@ -876,36 +950,4 @@ if __name__ == "__main__":
         ray.init(address=address, logging_level="ERROR", log_to_driver=False)
         print(_fit_ray(storage_, marks_, int(steps_), float(step_s_), int(pre)))
         sys.exit(0)
-    if sys.argv[1:2] == ["production"]:
-        kinds = {"parts": str, "heartbeat_timeout_s": float, "ray_limit_s": float}
-        kw: dict[str, Any] = {k: kinds.get(k, int)(v) for k, v in (a.split("=") for a in sys.argv[2:])}
-        print(json.dumps(production(**kw)))
-        sys.exit(0)
-    if sys.argv[1:2] == ["report_cost"]:  # report() warm vs right after a CPU step, one process, no Ray
-        kw = {k: float(v) for k, v in (a.split("=") for a in sys.argv[2:])}
-        cost = report_cost(int(kw.get("rounds", 5)), int(kw.get("steps", 600)), kw.get("step_ms", 3.5))
-        print(f"step {cost['step_ms']:.2f} ms ({cost['size']} matmuls), {cost['rounds']} rounds; us: median [min, max]")
-        for k, v in cost.items():
-            if isinstance(v, tuple):
-                print(f"  {k:<22} {v[0]:7.1f}  [{v[1]:.1f}, {v[2]:.1f}]")
-        print(json.dumps(cost))  # the last line: what make bench reads
-        sys.exit(0)
-    if sys.argv[1:2] == ["overhead"]:  # the per-step overhead rows alone, on a cluster like make bench's
-        from rayslice.sim import SimulatedCluster, SliceSpec
-
-        kw = {k: float(v) for k, v in (a.split("=") for a in sys.argv[2:])}
-        spec = [SliceSpec("TPU-V4", "2x2x2", name="bench-a"), SliceSpec("TPU-V4", "2x2x2", name="bench-b")]
-        with SimulatedCluster([*spec, SliceSpec(*OVERHEAD_SHAPE, name="bench-c")]):
-            out = []
-            for target, _goal, n, pairs in OVERHEAD_CASES:
-                if kw.get("target_ms", target) == target:
-                    out.append(
-                        overhead(
-                            target,
-                            phase_steps=int(kw.get("phase_steps", n)),
-                            pairs=int(kw.get("pairs", pairs)),
-                            warmup_s=kw.get("warmup_s", 8.0),
-                            pipelined=bool(kw.get("pipelined", 0)),
-                        )
-                    )
-        print(json.dumps(out))
+    sys.exit(main(sys.argv[1:]))
