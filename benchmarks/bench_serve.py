@@ -342,8 +342,6 @@ def main(argv: list[str]) -> int:
     """``parts`` or ``run`` with ``key=value`` options, on a cluster of its own; one JSON line; 2 on bad words."""
     import json
 
-    from rayslice.sim import SimulatedCluster, SliceSpec
-
     target = {"parts": parts, "run": run}.get(argv[0] if argv else "")
     try:
         if target is None:
@@ -352,6 +350,8 @@ def main(argv: list[str]) -> int:
     except ValueError as e:
         print(e, file=sys.stderr)
         return 2
+    from rayslice.sim import SimulatedCluster, SliceSpec
+
     with SimulatedCluster([SliceSpec("TPU-V4", "2x2x2", name="bench-a"), SliceSpec("TPU-V4", "2x2x2")]):
         print(json.dumps(target(**kwargs)))
     return 0

@@ -884,7 +884,13 @@ def overhead_alone(
     spec = [SliceSpec("TPU-V4", "2x2x2", name="bench-a"), SliceSpec("TPU-V4", "2x2x2", name="bench-b")]
     with SimulatedCluster([*spec, SliceSpec(*OVERHEAD_SHAPE, name="bench-c")]):
         return [
-            overhead(target, phase_steps or n, pairs or p, warmup_s=warmup_s, pipelined=pipelined)
+            overhead(
+                target,
+                n if phase_steps is None else phase_steps,
+                p if pairs is None else pairs,
+                warmup_s=warmup_s,
+                pipelined=pipelined,
+            )
             for target, _goal, n, p in cases
         ]
 
@@ -913,9 +919,6 @@ def _check_target(target_ms: float | None) -> list[tuple[float, float, int, int]
     return cases
 
 
-_CHECKS = {"production": ("parts", _check_parts), "overhead": ("target_ms", _check_target)}
-
-
 def main(argv: list[str]) -> int:
     """One sub-command (production, report_cost, overhead) with ``key=value`` options; its JSON last; 2 on bad words."""
     import json
@@ -925,9 +928,10 @@ def main(argv: list[str]) -> int:
         if target is None:
             raise ValueError(f"expected a sub-command, one of {', '.join(_SUBCOMMANDS)}; usage: {_USAGE}")
         _, kwargs = parse_options(argv[1:], set(), _USAGE, lambda _: target)
-        if argv[0] in _CHECKS and _CHECKS[argv[0]][0] in kwargs:  # what the option's type alone does not say
-            name, check = _CHECKS[argv[0]]
-            check(kwargs[name])
+        if "parts" in kwargs:  # production's; what the option's type alone does not say
+            _check_parts(kwargs["parts"])
+        if "target_ms" in kwargs:  # overhead's
+            _check_target(kwargs["target_ms"])
     except ValueError as e:
         print(e, file=sys.stderr)
         return 2
