@@ -21,6 +21,12 @@ Example:
     Traceback (most recent call last):
     ...
     ValueError: 'step_s=-1': expected step_s=<positive number>
+    >>> parse_command(["run", "repeats=2"], {"parts": run, "run": run}, "demo.py {parts|run}")[1]
+    {'repeats': 2}
+    >>> parse_command([], {"parts": run, "run": run}, "demo.py {parts|run}")
+    Traceback (most recent call last):
+    ...
+    ValueError: expected a sub-command, parts or run; usage: demo.py {parts|run}
 """
 
 from __future__ import annotations
@@ -121,3 +127,24 @@ def parse_options(
         except ValueError:
             raise ValueError(f"{word!r}: expected {k}=<{_EXPECTED[params[k]]}>") from None
     return flags, kwargs
+
+
+def parse_command(
+    argv: list[str], commands: dict[str, Callable[..., Any]], usage: str
+) -> tuple[Callable[..., Any], dict[str, Any]]:
+    """A script of sub-commands: the run function ``argv[0]`` names, and its options from the words after it.
+
+    Args:
+        argv: The words after the script's name: the sub-command, then its ``key=value`` options.
+        commands: Each sub-command's run function, in the order the usage line shows them.
+        usage: The script's usage line, shown after a missing or unknown sub-command.
+
+    Raises:
+        ValueError: One line: no or an unknown sub-command, or what :func:`parse_options` refuses.
+    """
+    target = commands.get(argv[0]) if argv else None
+    if target is None:
+        names = list(commands)
+        choice = " or ".join(names) if len(names) <= 2 else f"one of {', '.join(names)}"
+        raise ValueError(f"expected a sub-command, {choice}; usage: {usage}")
+    return target, parse_options(argv[1:], set(), usage, lambda _: target)[1]

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from _options import parse_options  # benchmarks/ is on the path: the script's folder, or run.py's
+from _options import parse_command  # benchmarks/ is on the path: the script's folder, or run.py's
 
 GOAL_ADDED_P50_MS = 2.0
 BATCH = {"max_batch_size": 16, "batch_wait_timeout_s": 0.001}
@@ -342,11 +342,8 @@ def main(argv: list[str]) -> int:
     """``parts`` or ``run`` with ``key=value`` options, on a cluster of its own; one JSON line; 2 on bad words."""
     import json
 
-    target = {"parts": parts, "run": run}.get(argv[0] if argv else "")
     try:
-        if target is None:
-            raise ValueError(f"expected a sub-command, parts or run; usage: {_USAGE}")
-        _, kwargs = parse_options(argv[1:], set(), _USAGE, lambda _: target)
+        target, kwargs = parse_command(argv, {"parts": parts, "run": run}, _USAGE)
     except ValueError as e:
         print(e, file=sys.stderr)
         return 2

@@ -22,7 +22,7 @@ import tempfile
 import time
 from typing import Any
 
-from _options import parse_options  # benchmarks/ is on the path: the script's folder, or run.py's
+from _options import parse_command  # benchmarks/ is on the path: the script's folder, or run.py's
 
 
 def _ship_by_value() -> None:
@@ -923,11 +923,8 @@ def main(argv: list[str]) -> int:
     """One sub-command (production, report_cost, overhead) with ``key=value`` options; its JSON last; 2 on bad words."""
     import json
 
-    target = _SUBCOMMANDS.get(argv[0] if argv else "")
     try:
-        if target is None:
-            raise ValueError(f"expected a sub-command, one of {', '.join(_SUBCOMMANDS)}; usage: {_USAGE}")
-        _, kwargs = parse_options(argv[1:], set(), _USAGE, lambda _: target)
+        target, kwargs = parse_command(argv, _SUBCOMMANDS, _USAGE)
         if "parts" in kwargs:  # production's; what the option's type alone does not say
             _check_parts(kwargs["parts"])
         if "target_ms" in kwargs:  # overhead's
