@@ -34,39 +34,33 @@ from rayslice._validate import check_callable, check_instance, fail
 from rayslice.errors import GangError, Outcome, ReservationError, ReservationTimeout, RunOutcome, describe
 from rayslice.gang import SliceGang
 from rayslice.placement import SlicePlacementGroup, slice_placement_group
+from rayslice.train._hosts import HostLedger
+from rayslice.train._watch import AttemptWatch, CallbackFailed, RunParts
 from rayslice.train.checkpoint import (
     Checkpoint,
     checkpoint_steps,
     checkpoints_dir,
-    commit_pending,
     discard_pending,
     latest_complete_step,
-    prune_directories,
     step_dir,
 )
 from rayslice.train.config import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from rayslice.train.context import TrainContext
-from rayslice.train.elastic import GROW_REASON, ElasticRun, request_grow
+from rayslice.train.elastic import GROW_REASON, ElasticRun
 from rayslice.train.goodput import AttemptEnd, GoodputTracker
 from rayslice.train.heartbeat import (
     HeartbeatMonitor,
-    Verdict,
     delete_beats,
     heartbeat_key,
     period_for,
-    read_beats,
 )
 from rayslice.train.liveness import NodeProbe, raylet_addresses
 from rayslice.train.ramtier import RamTier, RestoreChoice
 from rayslice.train.result import Result, TrainRunContext
-from rayslice.train.worker import drain_reports, run_worker
+from rayslice.train.worker import run_worker
 from rayslice.warm import WarmPool, spare_hosts
 
 logger = logging.getLogger(__name__)
-_POLL_S = 0.2
-_QUICK_POLL_S = 0.05  # the driver's poll while a host's heartbeat is overdue
-#: The goodput gauges and the live status line are refreshed at most this often while steps flow.
-_SHOW_EVERY_S = 0.5
 # What a warm spare process imports ahead of an attempt: JAX, Orbax (restores), the worker side and what
 # it starts (metrics, notices, the RAM tier, the feeder); and, where installed, the usual JAX training libraries.
 _WARM_IMPORTS = (
@@ -80,15 +74,8 @@ _WARM_IMPORTS = (
 )
 _WARM_OPTIONAL = ("flax.linen", "optax")
 _WARM_DATA = ("ray.data",)  # what a host needs to unpickle its Ray Data shards
-_WARM_REFRESH_S = 5.0  # how often a running attempt looks for new spare hosts to warm
 _ELASTIC_TRY_S = 10.0  # how long an elastic reservation waits for the size it counted before counting again
 _GROW_WARM_WAIT_S = 30.0  # the longest an elastic grow waits for warm processes on the new hosts
-
-
-class _CallbackFailed(Exception):
-    def __init__(self, error: BaseException) -> None:
-        super().__init__(describe(error))
-        self.error = error
 
 
 def _budget_left(used: int, limit: int) -> bool:
@@ -219,11 +206,7 @@ class JaxTrainer:
         attempt, preemptions, failures = 0, 0, 0
         error: BaseException | None = None
         self._return_value = None
-        self._avoid: set[str] = set()  # slices with a host that just stopped answering
-        # Slices avoided only because a process of theirs died or went silent (their hosts may be up).
-        self._suspect: set[str] = set()
-        self._silent_nodes: set[str] = set()  # nodes of the hosts whose heartbeats stopped, among the suspects
-        self._hosts: dict[str, list[str]] = {}  # the last attempt's slices -> their hosts' nodes
+        self._ledger = HostLedger()  # the slices to avoid, the hosts known lost
         self._warm: WarmPool | None = None  # pre-started processes on spare hosts (FailureConfig.warm_spares)
         self._grow_wait_since: float | None = None  # an elastic grow waiting for warm processes, since
         self._detection_s = 0.0
@@ -233,10 +216,26 @@ class JaxTrainer:
         self._ram = RamTier(self._run.run_id, every) if every else None
         self._restores: list[RestoreChoice] = []
         self._next_restore: RestoreChoice | None = None  # chosen when an attempt failed (None: choose at start)
-        self._lost_nodes: set[str] = set()  # nodes of hosts found lost: their RAM stores are gone
         status = self.console.status("starting") if rc.progress else None
         if status:
             status.start()
+        self._parts = RunParts(
+            run=self._run,
+            root=self._root,
+            failure=self._fc,
+            checkpoint=self._cc,
+            callbacks=self._callbacks,
+            exporter=self._exporter,
+            num_slices=cast(int, self.scaling.num_slices),  # normalized on construction
+            ledger=self._ledger,
+            ram=self._ram,
+            elastic=self._elastic,
+            status=status,
+            say=self._say,
+            restore_seconds=self._restore_seconds,
+            warm_spares=self._warm_spares,
+            grow_ready=self._grow_ready,
+        )
         try:
             while True:
                 attempt += 1
@@ -268,7 +267,7 @@ class JaxTrainer:
                         self._say(f"attempt {attempt}: saved step {notice['step']}; growing back onto free slices")
                         continue
                 if self._elastic is not None:  # before the restore choice and the count of free slices
-                    self._confirm_hosts()
+                    self._ledger.confirm(self._ram.answering if self._ram is not None else None)
                 self._next_restore = choice = self._choose_restore(attempt + 1)
                 restore = choice.step
                 tracker.on_failure(restore, out.lost_s, self._detection_s)
@@ -300,7 +299,7 @@ class JaxTrainer:
                     break
         except ReservationError as e:
             error = e
-        except _CallbackFailed as e:
+        except CallbackFailed as e:
             error = e.error
             self._say(f"a callback failed, stopping the run: {describe(e.error)}")
         finally:
@@ -356,7 +355,7 @@ class JaxTrainer:
             self._status(status, f"attempt {attempt}: reserving {sc.request}")
             with tracker.timed("reservation"):
                 spg = self._reserve(f"{run.name}-{attempt}")
-            self._avoid, self._suspect, self._silent_nodes = set(), set(), set()
+            self._ledger.reserved()
         options: dict[str, Any] = {"max_concurrency": 2}
         if rc.worker_runtime_env:
             options["runtime_env"] = dict(rc.worker_runtime_env)
@@ -442,8 +441,24 @@ class JaxTrainer:
                 start_step=info["restore_step"] or 0,
                 reachable=answering,
             )
-            return self._watch(gang, refs, tracker, history, status, attempt, restarts, t0, monitor, keys)
-        except _CallbackFailed:
+            watch = AttemptWatch(
+                self._parts,
+                gang,
+                refs,
+                monitor,
+                keys,
+                attempt=attempt,
+                restarts=restarts,
+                t0=t0,
+                tracker=tracker,
+                history=history,
+            )
+            try:
+                return watch.run()
+            finally:
+                self._detection_s, self._notice = watch.detection_s, watch.notice
+                self._return_value = watch.return_value
+        except CallbackFailed:
             raise
         except Exception as e:  # start-up or split failed: a value, like any other failure
             lost = 0.0 if last_report is None else time.monotonic() - last_report
@@ -454,323 +469,6 @@ class JaxTrainer:
                 spg.release()
             delete_beats(keys)
 
-    def _watch(
-        self,
-        gang: SliceGang,
-        refs: list[Any],
-        tracker: GoodputTracker,
-        history: list[dict[str, Any]],
-        status: Any,
-        attempt: int,
-        restarts: int,
-        t0: float,
-        monitor: HeartbeatMonitor,
-        keys: list[str],
-    ) -> RunOutcome:
-        import ray
-
-        pending = dict(enumerate(refs))
-        el = self._elastic
-        last = time.monotonic()
-        warm_next = last
-        world = len(gang.actors)
-        fc = self._fc
-        # Reports per step from every rank, until every rank has reported the step.
-        steps: dict[int, dict[int, dict[str, Any]]] = {}
-        # One drain call in flight per rank: a host that does not answer (dead,
-        # and not yet declared dead by Ray) never blocks the others' reports.
-        draining: dict[int, Any] = {}
-        died: list[int] = []  # ranks whose drain call found their process dead
-        # Hosts that stopped after the emergency save of a preemption notice.
-        noticed: dict[int, dict[str, Any]] = {}
-        shown_next = 0.0  # when the goodput gauges and the status line are next refreshed
-
-        def where(rank: int) -> str:
-            hc = gang.contexts[rank]
-            return f"host rank {rank} ({hc.slice_name} worker {hc.worker_id})"
-
-        def complete(step: int, by_rank: dict[int, dict[str, Any]]) -> None:
-            kinds = {r["checkpoint"] for r in by_rank.values()} - {None}
-            rank0 = by_rank[0]
-            ckpt = None
-            if "directory" in kinds:
-                ckpt = commit_pending(
-                    self._root,
-                    step,
-                    attempt,
-                    {"step": step, "metrics": rank0["metrics"], "world_size": world, "attempt": attempt},
-                )
-                cc = self._cc
-                prune_directories(self._root, cc.num_to_keep, cc.checkpoint_score_attribute, cc.checkpoint_score_order)
-            elif "arrays" in kinds:
-                ckpt = Checkpoint(step_dir(self._root, step), step)  # may still be being written (async save)
-            per_rank = [by_rank[r]["metrics"] for r in range(world)]
-            for cb in self._callbacks:
-                try:
-                    if callable(getattr(cb, "after_report", None)):
-                        cb.after_report(self._run, per_rank, ckpt)
-                    elif callable(cb) and not hasattr(cb, "after_exception"):
-                        cb({"step": step, "metrics": rank0["metrics"], "attempt": attempt})
-                except Exception as e:
-                    raise _CallbackFailed(e) from e
-
-        def drain(timeout: float, skip: frozenset[int] = frozenset()) -> None:
-            nonlocal last, shown_next
-            for rank, a in enumerate(gang.actors):
-                if rank not in draining and rank not in skip:
-                    draining[rank] = a.call.remote(drain_reports, (), {})
-            waiting = [ref for rank, ref in draining.items() if rank not in skip]
-            ready, _ = ray.wait(waiting, num_returns=len(waiting), timeout=timeout)
-            got: dict[int, list[dict[str, Any]]] = {}
-            error: BaseException | None = None
-            for rank, ref in sorted(draining.items()):
-                if ref in ready:
-                    del draining[rank]
-                    try:
-                        got[rank] = ray.get(ref)
-                    except Exception as e:  # the host died (Ray noticed it): raised once the others are booked
-                        error = error or e
-                        if isinstance(e, ray.exceptions.RayActorError):  # its process gone, maybe its host
-                            suspect(rank)
-                            died.append(rank)
-            for rank, reports in got.items():
-                for r in reports:
-                    steps.setdefault(r["step"], {})[rank] = r
-                    if self._ram is not None:
-                        self._ram.observe(attempt, rank, r)
-                    if rank == 0 and r.get("restore_s"):
-                        self._restore_seconds(attempt, r["restore_s"])
-            rank0 = got.get(0)
-            if rank0:
-                last = time.monotonic()
-                if self._elastic is not None:
-                    self._elastic.on_step()
-                tracker.on_reports(rank0)
-                history.extend(rank0)
-                if last >= shown_next:  # the gauges and the status line, a few times a second at most
-                    shown_next = last + _SHOW_EVERY_S
-                    snap = tracker.snapshot()
-                    self._exporter.export(snap.seconds, snap.fraction)
-                    if status:
-                        latest = rank0[-1]
-                        shown = ", ".join(
-                            f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
-                            for k, v in list(latest["metrics"].items())[:4]
-                        )
-                        size = (
-                            f"{world // gang.contexts[0].hosts_per_slice}/{self.scaling.num_slices} slices, "
-                            if el
-                            else ""
-                        )
-                        self._status(
-                            status, f"step {latest['step']} | {shown} | {size}attempt {attempt}, restarts {restarts}"
-                        )
-            for step in sorted(s for s in steps if len(steps[s]) == world):
-                complete(step, steps.pop(step))
-            if error is not None:
-                raise error
-
-        self._hosts = {}
-        for hc in gang.contexts:
-            self._hosts.setdefault(hc.slice_name, []).append(hc.node_id)
-
-        def suspect(rank: int, silent: bool = False) -> None:
-            # Reserve elsewhere if possible; an elastic run checks before it counts (see _confirm_hosts).
-            name = gang.contexts[rank].slice_name
-            self._avoid.add(name)
-            self._suspect.add(name)
-            if silent:
-                self._silent_nodes.add(gang.contexts[rank].node_id)
-
-        def quietest() -> float:
-            # How long the quietest host still running has been silent (driver clock).
-            return max((monitor.silent_s(r) for r in range(world) if r not in monitor.finished), default=0.0)
-
-        def silent(ranks: Sequence[int] = ()) -> float:
-            # The detection delay of a loss Ray reported: how long the hosts whose processes died
-            # (``ranks``, when known) had been silent, i.e. since their last sign of life; else how
-            # long the quietest host had been, counted only beyond a normal gap between beats.
-            # Read first, so that hosts still alive count as fresh even if the driver was busy
-            # (e.g. in a callback) and stale records are not taken for silence.
-            try:
-                monitor.observe(read_beats(keys))
-            except Exception:
-                pass
-            if ranks:
-                return max(monitor.silent_s(r) for r in ranks)
-            quiet = quietest()
-            return quiet if quiet > 2 * period_for(fc.heartbeat_timeout_s) else 0.0
-
-        def salvage(skip: frozenset[int]) -> None:
-            try:  # hosts may still hold reports of steps done before the failure
-                drain(timeout=2.0, skip=skip)
-            except _CallbackFailed:
-                raise
-            except Exception:
-                pass
-
-        def failed(e: BaseException, rank: int | None) -> RunOutcome:
-            outcome = RunOutcome.of(e).outcome
-            # A process Ray reported dead: its silence is the detection delay (another error: none).
-            self._detection_s = silent([rank] if outcome is Outcome.PREEMPTED and rank is not None else [])
-            if outcome is not Outcome.PREEMPTED:
-                # The error may be the echo of a lost host (a collective broke
-                # because its peer died): a preemption, not a bug. The
-                # heartbeats tell within heartbeat_timeout_s; a ping confirms.
-                timeout = fc.heartbeat_timeout_s
-                until = time.monotonic() + timeout + 2 * period_for(timeout)
-                while time.monotonic() < until:
-                    try:
-                        monitor.observe(read_beats(keys))
-                    except Exception:
-                        break
-                    verdict = monitor.check(probe=False)  # a peer's error is evidence enough: silence decides
-                    if verdict is not None and verdict.kind == "lost":
-                        out = detected(verdict)
-                        if out.error is not None:
-                            out.error.__cause__ = e
-                        return out
-                    time.sleep(_QUICK_POLL_S)
-                lost_ranks = gang.lost_hosts(timeout_s=1.0)
-                self._lost_nodes.update(gang.contexts[r].node_id for r in lost_ranks)
-                if lost_ranks:
-                    outcome = Outcome.PREEMPTED
-                    self._detection_s = silent(lost_ranks)
-                    # Ray may list the node as alive for a while yet: reserve elsewhere if possible.
-                    self._avoid |= {gang.contexts[r].slice_name for r in lost_ranks}
-            elif rank is not None and 0 <= rank < len(gang.contexts):  # Ray saw the process die, maybe its host
-                # Reserve elsewhere if possible. Its node is not taken for lost: a process also dies alone (a
-                # collective aborted by a peer's loss), and its node's RAM store may hold the replicas needed.
-                suspect(rank)
-            salvage(frozenset())
-            return RunOutcome(
-                outcome,
-                e,
-                time.monotonic() - t0,
-                time.monotonic() - last,
-                rank if rank is not None else getattr(e, "rank", None),
-            )
-
-        def detected(verdict: Verdict) -> RunOutcome:
-            message = verdict.message(fc.heartbeat_timeout_s, fc.step_timeout_s, where)
-            if verdict.kind == "lost":
-                outcome = Outcome.PREEMPTED
-                self._detection_s = verdict.silent_s
-                if self._elastic is not None and self._ram is not None:
-                    # A silent process, maybe a lost host: the hosts' RAM stores tell before the count.
-                    self._avoid = set()
-                    for r in verdict.ranks:
-                        suspect(r, silent=True)
-                else:
-                    # Their RAM stores went with them, unless their machine answered (a stuck process: keep them).
-                    gone = [r for r in verdict.ranks if r not in verdict.answering]
-                    self._lost_nodes.update(gang.contexts[r].node_id for r in gone)
-                    # Ray may list the node as alive for a while yet: reserve elsewhere if possible.
-                    self._avoid = {gang.contexts[r].slice_name for r in verdict.ranks}
-            else:
-                outcome = Outcome.TIMEOUT
-                self._detection_s = max(0.0, verdict.silent_s - cast(float, fc.step_timeout_s))
-            error = GangError(message, outcome, rank=verdict.ranks[0])
-            salvage(frozenset(verdict.ranks) if verdict.kind == "lost" else frozenset())
-            return RunOutcome(outcome, error, time.monotonic() - t0, time.monotonic() - last, verdict.ranks[0])
-
-        poll = _POLL_S
-        period = period_for(fc.heartbeat_timeout_s)
-        told_busy: set[int] = set()  # the hosts spared for a busy process, said once
-        while True:
-            try:
-                drain(timeout=min(0.1, poll))
-            except _CallbackFailed:
-                raise
-            except Exception as e:  # a host gone: it was lost
-                self._detection_s = silent(died)
-                return RunOutcome.of(e, elapsed_s=time.monotonic() - t0, lost_s=time.monotonic() - last)
-            ready, _ = ray.wait(list(pending.values()), num_returns=len(pending), timeout=poll)
-            for rank, ref in list(pending.items()):
-                if ref not in ready:
-                    continue
-                del pending[rank]
-                monitor.finish(rank)
-                try:
-                    out = ray.get(ref)
-                except Exception as e:
-                    return failed(e, rank)
-                if out.get("notice"):
-                    noticed[rank] = out["notice"]
-                elif rank == 0:
-                    self._return_value = out.get("return_value")
-            if not pending:
-                try:  # every host returned: collect the last reports
-                    drain(timeout=30)  # calls in flight from before (they may have missed the last ones)
-                    drain(timeout=30)  # fresh calls, made after every host returned
-                except _CallbackFailed:
-                    raise
-                except Exception as e:
-                    return RunOutcome.of(e, elapsed_s=time.monotonic() - t0, lost_s=time.monotonic() - last)
-                if noticed:
-                    return self._stopped_on_notice(noticed, gang, tracker, t0)
-                return RunOutcome.success(time.monotonic() - t0)
-            try:
-                monitor.observe(read_beats(keys))
-            except Exception as e:  # the GCS is unreachable: Ray's own errors will tell
-                logger.debug("heartbeats unreadable: %s", e)
-            verdict = monitor.check()
-            if verdict is not None:
-                return detected(verdict)
-            for rank in monitor.spared.keys() - told_busy:
-                told_busy.add(rank)
-                logger.info(
-                    "attempt %d: %s is silent but its machine answers: a busy process (its GIL held), "
-                    "not a lost host; it is given up to %g s",
-                    attempt,
-                    where(rank),
-                    monitor.live_grace_s,
-                )
-            # A host's beat is overdue: look again soon, so that a loss is declared close to
-            # heartbeat_timeout_s after its last beat rather than up to a poll period later.
-            poll = _QUICK_POLL_S if quietest() > 1.5 * period else _POLL_S
-            if time.monotonic() >= warm_next and history and history[-1].get("attempt") == attempt:
-                # Once this attempt has compiled (its first report), so that imports on the spare hosts do not
-                # compete with it; again every few seconds: spare slices come and go (a node pool replaces one).
-                warm_next = time.monotonic() + _WARM_REFRESH_S
-                self._warm_spares(gang.spg)
-            if el is not None and (target := el.grow_target()) is not None and self._grow_ready(gang.spg, target):
-                el.grow_asked = True  # free slices, and processes warm on every host of the bigger size: grow
-                try:
-                    asked = ray.get(gang.actors[0].call.remote(request_grow, (target,), {}), timeout=10)
-                except Exception:  # rank 0 is gone: the loss is found by the usual path
-                    asked = True
-                el.grow_off = not asked
-                self._say(
-                    f"elastic: slices free for {target}: saving at the next step to grow"
-                    if asked
-                    else "elastic: slices are free, but notices are off (FailureConfig.preemption_notices): "
-                    "the run grows at its next restart"
-                )
-
-    def _stopped_on_notice(
-        self, noticed: dict[int, dict[str, Any]], gang: SliceGang, tracker: GoodputTracker, t0: float
-    ) -> RunOutcome:
-        """Every host saved the agreed step of a preemption notice and stopped: a preemption, nothing lost."""
-        first = noticed[min(noticed)]
-        step = first["step"]
-        save_s = max(n["save_s"] for n in noticed.values())
-        # The save's wait after the step's report (its stall is in the report) is checkpoint time too.
-        tracker.add("checkpoint_stall", max(n["save_s"] - n["save_stall_s"] for n in noticed.values()))
-        self._notice = {**first, "save_s": save_s}
-        rank = first.get("rank")
-        rank = rank if isinstance(rank, int) and 0 <= rank < len(gang.contexts) else min(noticed)
-        hc = gang.contexts[rank]
-        if first.get("reason") != GROW_REASON:
-            self._avoid = {hc.slice_name}  # the noticed host is about to go: reserve elsewhere if possible
-        error = GangError(
-            f"preemption notice ({first.get('reason')}) on host rank {rank} ({hc.slice_name} worker "
-            f"{hc.worker_id}): every host saved step {step} ({save_s:.2f} s) and stopped",
-            Outcome.PREEMPTED,
-            rank=rank,
-        )
-        return RunOutcome(Outcome.PREEMPTED, error, time.monotonic() - t0, 0.0, rank)
-
     # -- where an attempt resumes from ----------------------------------------
     def _choose_restore(self, attempt: int, world: int | None = None) -> RestoreChoice:
         """The RAM step if every shard is reachable and it is not older than storage, else storage."""
@@ -779,7 +477,7 @@ class JaxTrainer:
             tier, reason = ("storage", f"storage step {storage}") if storage is not None else ("none", "fresh start")
             return RestoreChoice(attempt, tier, storage, reason)
         size = world if world is not None else cast(int, self.scaling.num_workers)
-        return dataclasses.replace(self._ram.choose(size, storage, self._lost_nodes), attempt=attempt)
+        return dataclasses.replace(self._ram.choose(size, storage, self._ledger.lost), attempt=attempt)
 
     def _begin_restore(
         self, attempt: int, gang: SliceGang, tracker: GoodputTracker, status: Any
@@ -827,50 +525,18 @@ class JaxTrainer:
         sc, el = self.scaling, self._elastic
         deadline = Deadline(sc.reservation_timeout_s)
         while True:
-            request = el.request(sc.request, self._avoid) if el is not None else sc.request
+            request = el.request(sc.request, self._ledger.avoid) if el is not None else sc.request
             bigger = el is not None and request.num_slices > el.policy.min_slices
             wait = min(deadline.remaining, _ELASTIC_TRY_S) if bigger else deadline.remaining
             timeout = sc.reservation_timeout_s if el is None else max(wait, 0.5)  # (a retry may find little left)
             try:
                 return slice_placement_group(
-                    request, timeout_s=timeout, name=name, progress=False, avoid_slices=sorted(self._avoid)
+                    request, timeout_s=timeout, name=name, progress=False, avoid_slices=sorted(self._ledger.avoid)
                 )
             except ReservationTimeout:
                 if not bigger or deadline.expired:
                     raise
                 logger.debug("elastic: %d slices did not come within %.1f s; counting again", request.num_slices, wait)
-
-    def _confirm_hosts(self) -> None:
-        """After an elastic attempt failed: which of its hosts are up, asked of their RAM stores (0.5 s).
-
-        A gang process also dies alone, e.g. aborted with its collective when a peer host (holding JAX's
-        coordination service) went down, and Ray may report that death before the lost host's: a slice
-        avoided for its process alone would shrink the run further than the loss, and a lost host not named
-        would be counted free. Each host's RAM store is a process of its own there: a host whose store
-        answers is up (its slice stays in the count), one whose store does not is lost (its slice is
-        avoided, its stores are not asked again). Without the RAM tier nothing on the host can be asked:
-        the slices of dead processes stay avoided.
-        """
-        hosts, self._hosts = self._hosts, {}
-        suspects, self._suspect = self._suspect, set()
-        silent, self._silent_nodes = self._silent_nodes, set()
-        nodes = {n for ns in hosts.values() for n in ns}
-        up: set[str] | None = None
-        if self._ram is not None and nodes:
-            try:
-                up = self._ram.answering(nodes)
-            except Exception as e:  # the loss is still handled: slices avoided, stores asked again later
-                logger.debug("could not ask the RAM stores of %s: %s", sorted(hosts), e)
-        if up is None:
-            self._lost_nodes |= silent
-            return
-        self._lost_nodes |= nodes - up
-        for name, ns in hosts.items():
-            if set(ns) & self._lost_nodes:
-                self._avoid.add(name)
-            elif name in suspects:
-                self._avoid.discard(name)
-                logger.debug("elastic: %s stays in the count: a process died but every host of it is up", name)
 
     def _prewarm(self, spg: SlicePlacementGroup, max_slices: int | None = None) -> list[str]:
         """Warm processes on the hosts a next attempt would take; returns those hosts.
@@ -925,7 +591,7 @@ class JaxTrainer:
                 try:
                     hook(self._run, {out.rank if out.rank is not None else -1: out.error})
                 except Exception as e:
-                    raise _CallbackFailed(e) from e
+                    raise CallbackFailed(e) from e
 
     # -- output --------------------------------------------------------------
     def _status(self, status: Any, text: str) -> None:
