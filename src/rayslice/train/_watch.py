@@ -37,10 +37,11 @@ from typing import Any, cast
 from rayslice.errors import GangError, Outcome, RunOutcome, describe
 from rayslice.gang import SliceGang
 from rayslice.placement import SlicePlacementGroup
+from rayslice.train._elastic_run import ElasticRun, request_grow
 from rayslice.train._hosts import HostLedger
 from rayslice.train.checkpoint import Checkpoint, commit_pending, prune_directories, step_dir
 from rayslice.train.config import CheckpointConfig, FailureConfig
-from rayslice.train.elastic import GROW_REASON, ElasticRun, request_grow
+from rayslice.train.elastic import GROW_REASON
 from rayslice.train.goodput import GoodputTracker
 from rayslice.train.heartbeat import HeartbeatMonitor, Verdict, period_for, read_beats
 from rayslice.train.ramtier import RamTier

@@ -34,6 +34,7 @@ from rayslice._validate import check_callable, check_instance, fail
 from rayslice.errors import GangError, Outcome, ReservationError, ReservationTimeout, RunOutcome, describe
 from rayslice.gang import SliceGang
 from rayslice.placement import SlicePlacementGroup, slice_placement_group
+from rayslice.train._elastic_run import ElasticRun
 from rayslice.train._hosts import HostLedger
 from rayslice.train._watch import AttemptWatch, CallbackFailed, RunParts
 from rayslice.train.checkpoint import (
@@ -46,7 +47,7 @@ from rayslice.train.checkpoint import (
 )
 from rayslice.train.config import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from rayslice.train.context import TrainContext
-from rayslice.train.elastic import GROW_REASON, ElasticRun
+from rayslice.train.elastic import GROW_REASON
 from rayslice.train.goodput import AttemptEnd, GoodputTracker
 from rayslice.train.heartbeat import (
     HeartbeatMonitor,
