@@ -237,6 +237,38 @@ def test_slots_must_split_evenly_over_the_data_axis():
     assert m.prefill_tokens == (4, 9) and m.decode_tokens.tolist() == [3, 3, 5, 6] and m.device_s == 0.3
 
 
+def test_llm_config_refuses_a_mesh_the_slice_cannot_build_before_anything_starts():
+    # v4 2x2x2: 8 devices, 4 per host; the default LM (8 heads, d_ff 256) splits over any of them.
+    with pytest.raises(
+        InvalidArgument, match=r"tensor_parallel=3 is not valid: expected a divisor of 4 .*'data_tensor'"
+    ):
+        LLMConfig(tensor_parallel=3)
+    assert LLMConfig(tensor_parallel=8, layout="tensor").tensor_parallel == 8  # across both hosts: allowed
+    with pytest.raises(
+        InvalidArgument, match=r"engine.num_slots=4 is not valid: expected a multiple of 8, the slot groups"
+    ):
+        LLMConfig(tensor_parallel=1, engine=EngineConfig(num_slots=4))
+    with pytest.raises(InvalidArgument, match="tensor_parallel=4 is not valid: expected a divisor of 2"):
+        LLMConfig(lm=LMConfig(d_model=48, num_heads=6, d_ff=96), tensor_parallel=4)
+
+
+@given(
+    tp=st.none() | st.integers(1, 9),
+    slots=st.integers(1, 33),
+    layout=st.sampled_from(["auto", "tensor", "data_tensor"]),
+)
+def test_llm_config_accepts_exactly_what_every_host_can_build(tp, slots, layout):
+    span = 8 if layout == "tensor" else 4  # the devices a model group may span (auto: inside one host)
+    model = span if tp is None else tp
+    ok = span % model == 0 and slots % (8 // model) == 0
+    try:
+        LLMConfig(layout=layout, tensor_parallel=tp, engine=EngineConfig(num_slots=slots))
+    except InvalidArgument:
+        assert not ok
+    else:
+        assert ok
+
+
 def test_a_host_runs_only_the_programs_of_the_slots_it_holds():
     """With no collective between hosts, a host skips prefills and decodes of other hosts' slots (-1 there)."""
     import jax

@@ -38,10 +38,10 @@ from typing import Any
 
 import numpy as np
 
-from rayslice._validate import check_choice, check_float, check_int, check_optional, check_str
+from rayslice._validate import check_choice, check_float, check_int, check_optional, check_str, fail
 from rayslice.errors import describe
 from rayslice.serve.llm.engine import Engine, EngineConfig, EngineError
-from rayslice.serve.llm.model import LAYOUTS, LMConfig, resolve_layout
+from rayslice.serve.llm.model import LAYOUTS, LMConfig, mesh_shape, resolve_layout
 from rayslice.serve.llm.runner import Step, StepResult, merge_results
 from rayslice.serve.llm.tokenizer import ByteTokenizer
 from rayslice.topology import Topology
@@ -113,7 +113,24 @@ class LLMConfig:
         check_int("max_body_bytes", self.max_body_bytes, minimum=1)
         check_choice("layout", self.layout, LAYOUTS)
         check_optional(check_int, "tensor_parallel", self.tensor_parallel, minimum=1)
-        self.topology_info  # noqa: B018 - validates the shape
+        topo = self.topology_info  # validates the shape
+        # The mesh every host will build (model.make_mesh over the slice's devices), known now: a combination the
+        # slice cannot take fails here, not in each replica after a slice was reserved and its processes started.
+        layout = resolve_layout(self.layout, topo.num_hosts)
+        data, _ = mesh_shape(
+            topo.num_devices,
+            self.lm,
+            layout=layout,
+            devices_per_host=topo.devices_per_host,
+            tensor_parallel=self.tensor_parallel,
+        )
+        if self.engine.num_slots % data:
+            raise fail(
+                "engine.num_slots",
+                self.engine.num_slots,
+                f"a multiple of {data}, the slot groups of the {layout!r} layout on {topo.num_devices} devices "
+                f"of {self.accelerator_type} {topo.name} (tensor_parallel={self.tensor_parallel})",
+            )
 
     @property
     def topology_info(self) -> Topology:
