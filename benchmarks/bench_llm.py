@@ -183,17 +183,26 @@ def run(
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     from rayslice.sim import SimulatedCluster, SliceSpec
 
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = argparse.ArgumentParser(prog="bench_llm.py", description=__doc__)
     ap.add_argument("--requests", type=int, default=30, help="sequential streams per deployment")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--layout", default="auto", help="auto, tensor or data_tensor")
     ap.add_argument(
         "--tensor-parallel", type=int, default=TENSOR_PARALLEL, help="devices per tensor-parallel group (0: largest)"
     )
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    # Every bad word one line (argparse's usage and error, rc 2) before a cluster starts.
+    if args.requests < 1:
+        ap.error(f"--requests {args.requests}: expected a positive number of streams")
+    try:
+        cfg = config(layout=args.layout, tensor_parallel=args.tensor_parallel or None)
+    except ValueError as e:  # InvalidArgument: the layout, or a tensor_parallel the slice cannot take
+        ap.error(str(e))
+    if not 1 <= args.max_tokens <= cfg.engine.max_tokens_limit:
+        ap.error(f"--max-tokens {args.max_tokens}: expected 1 to {cfg.engine.max_tokens_limit} (the engine's limit)")
     with SimulatedCluster([SliceSpec("TPU-V4", "2x2x2", name="bench-llm")]):
         figures = run(
             requests=args.requests,

@@ -141,6 +141,26 @@ def test_every_script_refuses_a_bad_word_before_anything_starts(monkeypatch, cap
     assert message in out.err and out.out == "" and len(out.err.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--layout", "rows"], "layout='rows' is not valid: expected one of 'auto', 'tensor', 'data_tensor'"),
+        (["--tensor-parallel", "3"], "tensor_parallel=3 is not valid: expected a divisor of 4"),
+        (["--max-tokens", "500"], "--max-tokens 500: expected 1 to 128"),
+        (["--requests", "0"], "--requests 0: expected a positive number of streams"),
+        (["--requests", "x"], "argument --requests: invalid int value: 'x'"),
+    ],
+)
+def test_bench_llm_refuses_a_bad_flag_before_a_cluster_starts(monkeypatch, capsys, argv, message):
+    mod = _script(monkeypatch, "bench_llm")  # argparse: its usage, then one error line, rc 2
+    with pytest.raises(SystemExit) as exit_:
+        mod.main(argv)
+    out = capsys.readouterr()
+    assert exit_.value.code == 2 and out.out == ""
+    assert out.err.startswith("usage: bench_llm.py ")
+    assert out.err.strip().splitlines()[-1].startswith(f"bench_llm.py: error: {message}")
+
+
 def test_the_scripts_options_are_their_run_functions_parameters(monkeypatch):
     train, serve, elastic = (_script(monkeypatch, s) for s in ("bench_train", "bench_serve", "bench_elastic"))
 
