@@ -399,7 +399,7 @@ class AttemptWatch:
             # because its peer died): a preemption, not a bug. The
             # heartbeats tell within heartbeat_timeout_s; a ping confirms.
             timeout = fc.heartbeat_timeout_s
-            until = time.monotonic() + timeout + 2 * period_for(timeout)
+            until = time.monotonic() + timeout + 2 * self.period  # the beat period of that timeout
             while time.monotonic() < until:
                 try:
                     self.monitor.observe(read_beats(self.keys))
