@@ -148,3 +148,36 @@ def parse_command(
         choice = " or ".join(names) if len(names) <= 2 else f"one of {', '.join(names)}"
         raise ValueError(f"expected a sub-command, {choice}; usage: {usage}")
     return target, parse_options(argv[1:], set(), usage, lambda _: target)[1]
+
+
+def run_script(
+    argv: list[str],
+    usage: str,
+    run: Callable[..., dict[str, Any]],
+    report: Callable[[dict[str, Any]], None],
+) -> int:
+    """A one-function script's ``main``: its options checked, ``run`` called, its result reported, JSON last.
+
+    Takes ``--dry-run`` (passed to ``run`` as ``dry_run=True``) and ``run``'s keyword
+    parameters as ``key=value`` words. A bad one is one line on stderr and exit status 2,
+    before ``run`` starts anything.
+
+    Example:
+        >>> run_script(["n=2"], "demo.py [n=N]", lambda dry_run=False, n=1: {"n": n}, lambda r: None)
+        {"n": 2}
+        0
+        >>> run_script(["n=0"], "demo.py [n=N]", lambda dry_run=False, n=1: {"n": n}, lambda r: None)
+        2
+    """
+    import json
+    import sys
+
+    try:
+        flags, kwargs = parse_options(argv, {"--dry-run"}, usage, lambda f: run)
+    except ValueError as e:
+        print(e, file=sys.stderr)
+        return 2
+    result = run(dry_run="--dry-run" in flags, **kwargs)
+    report(result)
+    print(json.dumps(result))  # one JSON line last, for a caller to read
+    return 0

@@ -34,7 +34,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from _options import parse_options  # benchmarks/ is on the path: the script's folder
+from _options import run_script  # benchmarks/ is on the path: the script's folder
 
 
 def _spread(xs: list[float]) -> dict[str, float]:
@@ -161,32 +161,24 @@ def run(dry_run: bool = False, rounds: int = 5, sizes_mb: tuple[int, ...] = (4, 
 _USAGE = "bench_h2d.py [--dry-run] [rounds=N] [sizes_mb=4,16,64] [threads=N]"
 
 
-def main(argv: list[str]) -> int:
-    import json
-
-    try:
-        flags, kwargs = parse_options(argv, {"--dry-run"}, _USAGE, lambda f: run)
-    except ValueError as e:
-        print(e, file=sys.stderr)
-        return 2
-    r = run(dry_run="--dry-run" in flags, **kwargs)
+def _print(r: dict[str, Any]) -> None:
     if "skipped" in r:
         print(f"skipped: {r['skipped']}", file=sys.stderr)
-    else:
-        print(
-            f"{r['device']} (JAX {r['jax']}){' DRY RUN on CPU' if r['dry_run'] else ''}; {r['rounds']} rounds",
-            file=sys.stderr,
-        )
-        for size, e in r["sizes"].items():
-            for k, v in e.items():
-                if k != "vs_wire":
-                    print(
-                        f"  {size:>5} {k:16s} {v['median']:7.1f} GB/s [{v['min']:.1f}, {v['max']:.1f}]  "
-                        f"{e['vs_wire'][k]:.2f} of the wire",
-                        file=sys.stderr,
-                    )
-    print(json.dumps(r))
-    return 0
+        return
+    dry = " DRY RUN on CPU" if r["dry_run"] else ""
+    print(f"{r['device']} (JAX {r['jax']}){dry}; {r['rounds']} rounds", file=sys.stderr)
+    for size, e in r["sizes"].items():
+        for k, v in e.items():
+            if k != "vs_wire":
+                print(
+                    f"  {size:>5} {k:16s} {v['median']:7.1f} GB/s [{v['min']:.1f}, {v['max']:.1f}]  "
+                    f"{e['vs_wire'][k]:.2f} of the wire",
+                    file=sys.stderr,
+                )
+
+
+def main(argv: list[str]) -> int:
+    return run_script(argv, _USAGE, run, _print)
 
 
 if __name__ == "__main__":

@@ -69,7 +69,7 @@ def test_a_refused_mapping_is_not_asked_again_and_others_still_are():
     mm, arr = _shared(1 << 16)
     assert not pin.covers(arr)
     assert "already registered" in (pin.failure or "") and pin.registered == []
-    assert not pin.covers(arr) and len(reg.calls) == 1  # refused once: its batches go through pinned_host memory
+    assert not pin.covers(arr) and len(reg.calls) == 1  # refused once: its batches go the pageable way
     reg.error = None
     mm2, other = _shared(1 << 16)  # another mapping is still asked
     assert pin.covers(other) and len(reg.calls) == 2

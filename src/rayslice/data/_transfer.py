@@ -8,17 +8,18 @@ devices of its sharding, column by column:
   is. The store's shared memory is registered with CUDA once per process
   (:class:`~rayslice.data._storepin.StorePinning`), so that is a DMA at the
   wire's rate with no host copy;
-* **through ``pinned_host`` memory** (other columns under ``"auto"`` on
-  accelerators with ``pinned_host`` memory, and ``"pinned"``): ``device_put`` into JAX's pinned host
-  memory, then to the devices;
-* **as it is** (``"pageable"``, devices without ``pinned_host`` memory, and
-  CPU devices under ``"auto"``, whose memory is host memory and which alias
-  an aligned batch instead of copying it).
+* **through ``pinned_host`` memory** (``"pinned"`` only): ``device_put`` into
+  JAX's pinned host memory, then to the devices;
+* **as it is** (every other column under ``"auto"``, and ``"pageable"``): a
+  ``device_put`` of host memory (on CPU devices an alias of an aligned batch).
 
 Measured on an H200 host (docs/performance.md, *GPU host*), for 8-32 MB
 batches: the feeder with pageable ``device_put`` 14-18 GB/s, through
 ``pinned_host`` 14-16 GB/s, from the registered store 49-54 GB/s, against a
-CUDA copy from pinned memory of 52-55 GB/s. On a host with several local devices,
+CUDA copy from pinned memory of 52-55 GB/s. On a TPU v5e host (*TPU host*)
+JAX copies numpy into ``pinned_host`` memory at ~0.2 GB/s, so staging
+through it held the feeder to 0.2 GB/s against a pageable ``device_put`` of
+11-12 GB/s: ``"auto"`` never stages. On a host with several local devices,
 each device's rows are transferred from a thread pool (``transfer_threads``).
 Staging buffers the feeder assembled a batch in are lent again once the
 transfer that read them is done (:class:`~rayslice.data._staging.StagingRing`).
@@ -116,8 +117,8 @@ class Transfers:
                     f"memory (they have {sorted(kinds) or 'none listed'})",
                 )
             return None
-        if staging == "auto" and self.platform == "cpu":
-            return None  # host memory is device memory there: staging would only add a copy
+        if staging == "auto":  # measured: never faster than pageable, and ~50x slower on a TPU v5e host
+            return None
         return self.sharding.with_memory_kind("pinned_host")
 
     # -- transfers ------------------------------------------------------

@@ -5,11 +5,12 @@ the host, and assembles one global ``jax.Array`` of ``batch_size x
 process_count`` rows sharded along the batch dimension. A batch inside one
 Ray block is a zero-copy view of the object store; one spanning blocks is
 written piece by piece into a staging buffer. On accelerators the batch
-reaches the devices by DMA from pinned memory, asynchronously (in parallel
-per device): on CUDA devices a view of Ray's object store goes as it is (the
-store is registered with CUDA once per process), anything else through
-JAX's ``pinned_host`` memory; a background thread keeps the next ``prefetch``
-batches on device while the current step runs; on CPU devices, where an
+reaches the devices asynchronously (in parallel per device): on CUDA devices
+a view of Ray's object store by DMA as it is (the store is registered with
+CUDA once per process), anything else by ``device_put`` from host memory
+(staging through JAX's ``pinned_host`` memory only when asked: it was never
+faster, and on a TPU host 50x slower); a background thread keeps the next
+``prefetch`` batches on device while the current step runs; on CPU devices, where an
 aligned host batch is aliased rather than copied, the work runs in the
 consumer's ``next()`` (``pipeline="auto"``), a few small batches per
 ``device_put`` call (its fixed cost paid once per group). Options are one
@@ -531,8 +532,9 @@ def iter_jax_batches(
         pipeline: ``"auto"`` (default: ``"sync"`` on CPU devices, else
             ``"thread"``), ``"thread"`` or ``"sync"`` (no thread; Ray's
             ``prefetch_batches=0``).
-        staging: ``"auto"`` (default: pinned host memory on accelerators that
-            have it), ``"pinned"`` or ``"pageable"``.
+        staging: ``"auto"`` (default: on CUDA devices, views of Ray's object
+            store by DMA from the registered store; otherwise as
+            ``"pageable"``), ``"pinned"`` or ``"pageable"``.
         transfer_threads: Threads issuing per-device transfers in parallel
             (default: one per local accelerator when there are several).
         dtypes: One dtype for every device column (as Ray), or ``{column: dtype}``.

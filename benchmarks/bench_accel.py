@@ -1,0 +1,254 @@
+"""The feeder on an accelerator host where Ray cannot run, against that host's own host-to-device limits.
+
+Issue 16 asks for a feeder that reaches the wire "on accelerators". The GPU row
+(``bench_data.py --gpu``) needs Ray's object store; this script measures the
+part of the feeder that runs after it (rebatching, staging, the transfer, the
+prefetch thread) on any JAX accelerator, with no Ray and no network: e.g. a
+TPU VM that opens no sockets. Its source is what Ray's store hands the feeder,
+64-byte aligned numpy blocks in host memory: one block (each batch a view of
+it) or 8k-row blocks (each batch written into a staging buffer).
+
+Per batch size (default 4-32 MB of 2M x 128 float32), in interleaved rounds,
+GB/s from the first batch on:
+
+* limits, 10 transfers in flight: ``pageable`` (``device_put`` of a numpy batch),
+  ``pinned`` (of a ``pinned_host`` ``jax.Array``), each also issued from two
+  threads (``*_2threads``); ``to_pinned`` (numpy into ``pinned_host``, 2 in
+  flight: the host copy that ``staging="pinned"`` adds). The true limit of a
+  round is its fastest way to the device (``best``);
+* the feeder: ``rayslice`` (defaults), ``rayslice_sync`` (``pipeline="sync"``),
+  ``rayslice_blocks`` (defaults, from 8k-row blocks: each batch assembled in
+  a staging buffer). ``staging="pinned"`` is left out: ``to_pinned`` and
+  ``pinned`` are its two halves (on a TPU v5e host it ran at 0.2 GB/s);
+* ratios per round: ``vs_best``, ``vs_pinned``, ``vs_pageable`` (rayslice's
+  defaults), ``blocks_vs_best`` and ``best_feeder_vs_best`` (the feeder's
+  fastest setting).
+
+Then a ~5 ms jitted step fed by the feeder (from one block, and from 8k-row
+blocks) against the same step on data already on the device. Ray's ``iter_jax_batches`` is not measured here (it
+needs Ray): ``bench_data.py --gpu`` compares the two.
+
+Without an accelerator it says so and measures nothing; ``--dry-run`` runs the
+same code on CPU devices with small sizes (to test this script).
+
+Usage: ``python benchmarks/bench_accel.py [--dry-run] [rows=N] [repeats=N] [sizes_mb=4,8,16,32]``; the
+last line is JSON. A bad option is refused with one line and exit status 2, before anything starts.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from _options import run_script  # benchmarks/ is on the path: the script's folder
+from bench_data import (
+    GOAL_STEP,
+    GPU_GOAL_VS_PINNED,
+    REBATCH_ROWS,
+    _gbps,
+    _spread,
+    _step_rounds,
+    _time,
+    _time_steady,
+    _training_step,
+)
+
+LIMITS = ("pageable", "pageable_2threads", "pinned", "pinned_2threads")
+
+
+def _in_flight(jax: Any, src: Any, target: Any, reps: int, threads: int) -> float:
+    """GB/s of ``reps`` ``device_put``s of ``src`` to ``target``, issued from ``threads`` threads, all awaited."""
+
+    def issue(k: int) -> list[Any]:
+        return [jax.device_put(src, target) for _ in range(k)]
+
+    jax.block_until_ready(issue(1))
+    t0 = time.perf_counter()
+    if threads == 1:
+        jax.block_until_ready(issue(reps))
+    else:
+        with ThreadPoolExecutor(threads) as pool:
+            shares = [reps // threads + (i < reps % threads) for i in range(threads)]
+            jax.block_until_ready(list(pool.map(issue, shares)))
+    return _gbps(src.nbytes * reps, time.perf_counter() - t0)
+
+
+def _limits(jax: Any, host: Any, sharding: Any, pinned: Any, reps: int = 10) -> dict[str, float]:
+    out = {
+        "pageable": _in_flight(jax, host, sharding, reps, 1),
+        "pageable_2threads": _in_flight(jax, host, sharding, reps, 2),
+    }
+    if pinned is not None:
+        p = jax.device_put(host, pinned)
+        out["pinned"] = _in_flight(jax, p, sharding, reps, 1)
+        out["pinned_2threads"] = _in_flight(jax, p, sharding, reps, 2)
+        out["to_pinned"] = _in_flight(jax, host, pinned, 2, 1)  # slow on some hosts (0.2 GB/s on a TPU v5e)
+    return out
+
+
+def _accelerators(jax: Any, dry_run: bool) -> list[Any]:
+    if dry_run:
+        return jax.devices("cpu")
+    return [d for d in jax.devices() if d.platform != "cpu"]
+
+
+def run(
+    dry_run: bool = False,
+    rows: int = 2_000_000,
+    width: int = 128,
+    repeats: int = 5,
+    sizes_mb: tuple[int, ...] = (4, 8, 16, 32),
+) -> dict[str, Any]:
+    """Limits, the feeder's settings and a fed step on this host's first accelerator (see the module docstring)."""
+    if dry_run:
+        os.environ["JAX_PLATFORMS"] = "cpu"
+        rows, sizes_mb, repeats = min(rows, 65536), (1, 2), min(repeats, 2)
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from rayslice.data import iter_jax_batches
+    from rayslice.data._staging import aligned_empty
+
+    devs = _accelerators(jax, dry_run)
+    if not devs:
+        return {"skipped": f"no accelerator: JAX {jax.__version__} sees only {jax.devices()[0].platform} devices"}
+    dev = devs[0]
+    sharding = NamedSharding(Mesh(np.array([dev]), ("data",)), PartitionSpec("data"))
+    kinds = sorted({m.kind for m in dev.addressable_memories()})
+    pinned = sharding.with_memory_kind("pinned_host") if "pinned_host" in kinds else None
+    src = aligned_empty((rows, width), np.dtype("float32"))  # as Ray's store lays a block out: 64-byte aligned
+    src[:] = np.random.default_rng(0).standard_normal((rows, width), dtype=np.float32)
+    one = [{"data": src}]
+    blocks = [{"data": src[i : i + REBATCH_ROWS]} for i in range(0, rows, REBATCH_ROWS)]
+    row_bytes = width * 4
+    result: dict[str, Any] = {
+        "device": str(getattr(dev, "device_kind", dev.platform)),
+        "platform": dev.platform,
+        "platform_version": str(getattr(dev.client, "platform_version", "")),
+        "jax": jax.__version__,
+        "host": {"cpus": os.cpu_count(), "machine": platform.machine(), "python": platform.python_version()},
+        "dry_run": dry_run,
+        "rows": rows,
+        "width": width,
+        "repeats": repeats,
+        "memory_kinds": kinds,
+        "sizes": {},
+    }
+
+    def feeder(source: list[Any], bs: int, **kw: Any) -> Callable[[], Iterable[Any]]:
+        return lambda: iter_jax_batches(source, batch_size=bs, sharding=sharding, ragged="drop", **kw)
+
+    with iter_jax_batches(one, batch_size=8, sharding=sharding) as probe:  # what the defaults chose here
+        result["defaults"] = {"pipeline": probe._feeder.pipeline, "staging_pinned": probe._feeder.pinned is not None}
+    for mb in sizes_mb:
+        bs = mb * 2**20 // row_bytes
+        n = rows - rows % bs
+        methods = {
+            "rayslice": feeder(one, bs),
+            "rayslice_sync": feeder(one, bs, pipeline="sync"),
+            "rayslice_blocks": feeder(blocks, bs),
+        }
+        for fn in methods.values():  # warm-up: compiles nothing, but pins and pages in
+            _time(fn, n)
+        per: dict[str, list[float]] = {}
+        first: dict[str, list[float]] = {}
+        for _ in range(repeats):
+            for k, v in _limits(jax, src[:bs], sharding, pinned).items():
+                per.setdefault(k, []).append(v)
+            for name, fn in methods.items():
+                total, t_first, steady = _time_steady(fn, n)
+                per.setdefault(name, []).append(_gbps(steady * row_bytes, total - t_first))
+                first.setdefault(name, []).append(1e3 * t_first)
+        best = [max(per[k][i] for k in LIMITS if k in per) for i in range(repeats)]
+        feeders = [max(per[k][i] for k in methods) for i in range(repeats)]
+        entry: dict[str, Any] = {k: _spread(v) for k, v in per.items()}
+        entry["vs_best"] = _spread([a / b for a, b in zip(per["rayslice"], best)])
+        entry["blocks_vs_best"] = _spread([a / b for a, b in zip(per["rayslice_blocks"], best)])
+        entry["best_feeder_vs_best"] = _spread([a / b for a, b in zip(feeders, best)])
+        for ref in ("pinned", "pageable"):
+            if ref in per:
+                entry[f"vs_{ref}"] = _spread([a / b for a, b in zip(per["rayslice"], per[ref])])
+        entry["first_batch_ms"] = {k: _spread(v) for k, v in first.items()}
+        result["sizes"][f"{mb}MB"] = entry
+    big = sizes_mb[-1] * 2**20 // row_bytes
+    n = rows - rows % big
+    resident = [jax.device_put(src[i : i + big], sharding) for i in range(0, n, big)]
+    jax.block_until_ready(resident)
+    consume_step, layers = _training_step(width, sharding, resident, big, dry_run)
+    steps = _step_rounds(
+        {
+            "resident": lambda: iter(resident),
+            "rayslice": feeder(one, big),
+            "rayslice_blocks": feeder(blocks, big),
+        },
+        n,
+        consume_step,
+        repeats,
+    )
+    result["step"] = {
+        "batch_rows": big,
+        "layers": layers,
+        "step_ms": 1e3 * sorted(steps["resident"])[len(steps["resident"]) // 2],
+        **{
+            f"{k}_vs_resident": _spread([r / f for r, f in zip(steps["resident"], steps[k])])
+            for k in ("rayslice", "rayslice_blocks")
+        },
+    }
+    return result
+
+
+def _print(r: dict[str, Any]) -> None:
+    if "skipped" in r:
+        print(f"accelerator benchmark skipped: {r['skipped']}", file=sys.stderr)
+        return
+    print(
+        f"{r['device']} ({r['platform']} {r['platform_version']}, JAX {r['jax']}, {r['host']['cpus']} CPUs)"
+        f"{' DRY RUN on CPU' if r['dry_run'] else ''}; {r['rows']:,} x {r['width']} f32; "
+        f"memory kinds {r['memory_kinds']}; defaults here {r['defaults']}; {r['repeats']} rounds",
+        file=sys.stderr,
+    )
+    ratios = ("vs_best", "blocks_vs_best", "best_feeder_vs_best", "vs_pinned", "vs_pageable")
+    for size, e in r["sizes"].items():
+        bw = "  ".join(f"{k} {v['median']:.1f}" for k, v in e.items() if k not in ratios and k != "first_batch_ms")
+        print(f"  {size:>5}: GB/s from the first batch on: {bw}", file=sys.stderr)
+        print(
+            "         ms to the first batch: "
+            + "  ".join(f"{k} {v['median']:.1f}" for k, v in e["first_batch_ms"].items()),
+            file=sys.stderr,
+        )
+        for k in ratios:
+            if k in e:
+                v = e[k]
+                goal = f"  goal >= {GPU_GOAL_VS_PINNED}: {'met' if v['median'] >= GPU_GOAL_VS_PINNED else 'NOT met'}"
+                print(
+                    f"         rayslice {k}: median {v['median']:.2f} [min {v['min']:.2f}, max {v['max']:.2f}]"
+                    f"{goal if k in ('vs_best', 'blocks_vs_best') else ''}",
+                    file=sys.stderr,
+                )
+    s = r["step"]
+    steps = ("rayslice_vs_resident", "rayslice_blocks_vs_resident")
+    for k in steps:
+        v = s[k]
+        print(
+            f"  step {s['step_ms']:.2f} ms ({s['layers']} layers), {k}: median {v['median']:.3f} "
+            f"[min {v['min']:.3f}, max {v['max']:.3f}]"
+            + (f"  goal >= {GOAL_STEP}: {'met' if v['median'] >= GOAL_STEP else 'NOT met'}" if k in steps else ""),
+            file=sys.stderr,
+        )
+
+
+_USAGE = "bench_accel.py [--dry-run] [rows=N] [repeats=N] [sizes_mb=4,8,16,32]"
+
+
+def main(argv: list[str]) -> int:
+    return run_script(argv, _USAGE, run, _print)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
