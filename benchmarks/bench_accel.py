@@ -24,9 +24,15 @@ GB/s from the first batch on:
   defaults), ``blocks_vs_best`` and ``best_feeder_vs_best`` (the feeder's
   fastest setting).
 
-Then a ~5 ms jitted step fed by the feeder (from one block, and from 8k-row
-blocks) against the same step on data already on the device. Ray's ``iter_jax_batches`` is not measured here (it
-needs Ray): ``bench_data.py --gpu`` compares the two.
+Then a ~5 ms jitted step on data already on the device (``resident``) and fed:
+by the feeder (its defaults, ``pipeline="sync"``, and from 8k-row blocks), and
+by two plain loops without the feeder, the true limit of feeding the step on
+this host (a transfer during a step can slow the step itself): ``plain_thread``
+(a thread ``device_put``-ing into a 2-deep queue) and ``one_ahead`` (the
+consumer's own thread putting the next batch before each step). Reported per
+round as each rate over the resident rate, and the feeder's default over the
+faster plain loop (``rayslice_vs_plain``). Ray's ``iter_jax_batches`` is not
+measured here (it needs Ray): ``bench_data.py --gpu`` compares the two.
 
 Without an accelerator it says so and measures nothing; ``--dry-run`` runs the
 same code on CPU devices with small sizes (to test this script).
@@ -39,7 +45,9 @@ from __future__ import annotations
 
 import os
 import platform
+import queue
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -181,26 +189,60 @@ def run(
     resident = [jax.device_put(src[i : i + big], sharding) for i in range(0, n, big)]
     jax.block_until_ready(resident)
     consume_step, layers = _training_step(width, sharding, resident, big, dry_run)
+    views = [src[i : i + big] for i in range(0, n, big)]
     steps = _step_rounds(
         {
             "resident": lambda: iter(resident),
             "rayslice": feeder(one, big),
+            "rayslice_sync": feeder(one, big, pipeline="sync"),
             "rayslice_blocks": feeder(blocks, big),
+            "plain_thread": lambda: _plain_thread(jax, views, sharding),
+            "one_ahead": lambda: _one_ahead(jax, views, sharding),
         },
         n,
         consume_step,
         repeats,
     )
+    plain = [min(a, b) for a, b in zip(steps["plain_thread"], steps["one_ahead"])]  # seconds per step: the faster
     result["step"] = {
         "batch_rows": big,
         "layers": layers,
         "step_ms": 1e3 * sorted(steps["resident"])[len(steps["resident"]) // 2],
-        **{
-            f"{k}_vs_resident": _spread([r / f for r, f in zip(steps["resident"], steps[k])])
-            for k in ("rayslice", "rayslice_blocks")
-        },
+        **{f"{k}_vs_resident": _spread([r / f for r, f in zip(steps["resident"], steps[k])]) for k in STEP_METHODS},
+        "rayslice_vs_plain": _spread([p / f for p, f in zip(plain, steps["rayslice"])]),
     }
     return result
+
+
+STEP_METHODS = ("rayslice", "rayslice_sync", "rayslice_blocks", "plain_thread", "one_ahead")
+
+
+def _plain_thread(jax: Any, views: list[Any], sharding: Any, depth: int = 2) -> Iterable[Any]:
+    """Batches put by a plain thread into a ``depth``-deep queue (no feeder): a reference pipeline."""
+    q: queue.Queue[Any] = queue.Queue(maxsize=depth)
+
+    def put_all() -> None:
+        for v in views:
+            q.put(jax.device_put(v, sharding))
+        q.put(None)
+
+    thread = threading.Thread(target=put_all, name="bench-plain-thread", daemon=True)
+    thread.start()
+    while (x := q.get()) is not None:
+        yield x
+    thread.join()
+
+
+def _one_ahead(jax: Any, views: list[Any], sharding: Any) -> Iterable[Any]:
+    """Batches put by the consumer's own thread, the next one before this one is used (no feeder)."""
+    prev = None
+    for v in views:
+        x = jax.device_put(v, sharding)
+        if prev is not None:
+            yield prev
+        prev = x
+    if prev is not None:
+        yield prev
 
 
 def _print(r: dict[str, Any]) -> None:
@@ -232,13 +274,13 @@ def _print(r: dict[str, Any]) -> None:
                     file=sys.stderr,
                 )
     s = r["step"]
-    steps = ("rayslice_vs_resident", "rayslice_blocks_vs_resident")
-    for k in steps:
+    print(f"  step {s['step_ms']:.2f} ms on resident data ({s['layers']} layers); fed, of that rate:", file=sys.stderr)
+    for k in [f"{m}_vs_resident" for m in STEP_METHODS] + ["rayslice_vs_plain"]:
         v = s[k]
+        goal = f"  goal >= {GOAL_STEP}: {'met' if v['median'] >= GOAL_STEP else 'NOT met'}"
         print(
-            f"  step {s['step_ms']:.2f} ms ({s['layers']} layers), {k}: median {v['median']:.3f} "
-            f"[min {v['min']:.3f}, max {v['max']:.3f}]"
-            + (f"  goal >= {GOAL_STEP}: {'met' if v['median'] >= GOAL_STEP else 'NOT met'}" if k in steps else ""),
+            f"    {k:28s} median {v['median']:.3f} [min {v['min']:.3f}, max {v['max']:.3f}]"
+            f"{goal if k in ('rayslice_vs_resident', 'rayslice_vs_plain') else ''}",
             file=sys.stderr,
         )
 

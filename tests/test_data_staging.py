@@ -477,7 +477,8 @@ def test_accelerator_benchmark_skips_without_one_and_its_dry_run_measures_every_
     for entry in r["sizes"].values():
         assert {*mod.LIMITS, "to_pinned", "rayslice", "rayslice_sync", "rayslice_blocks"} <= set(entry)
         assert entry["vs_best"]["median"] > 0 and entry["best_feeder_vs_best"]["median"] >= entry["vs_best"]["median"]
-    assert r["step"]["rayslice_vs_resident"]["median"] > 0 and r["step"]["layers"] == 1
+    assert r["step"]["layers"] == 1 and r["step"]["rayslice_vs_plain"]["median"] > 0
+    assert all(r["step"][f"{m}_vs_resident"]["median"] > 0 for m in mod.STEP_METHODS)
     assert json.loads(json.dumps(r)) == r
     assert mod.main(["--gpu"]) == 2 and mod.main(["rounds=3"]) == 2 and mod.main(["sizes_mb=4,x"]) == 2
     err = capsys.readouterr().err
