@@ -64,6 +64,7 @@ from bench_data import (
     _time,
     _time_steady,
     _training_step,
+    _verdict,
 )
 
 LIMITS = ("pageable", "pageable_2threads", "pinned", "pinned_2threads")
@@ -266,23 +267,13 @@ def _print(r: dict[str, Any]) -> None:
         )
         for k in ratios:
             if k in e:
-                v = e[k]
-                goal = f"  goal >= {GPU_GOAL_VS_PINNED}: {'met' if v['median'] >= GPU_GOAL_VS_PINNED else 'NOT met'}"
-                print(
-                    f"         rayslice {k}: median {v['median']:.2f} [min {v['min']:.2f}, max {v['max']:.2f}]"
-                    f"{goal if k in ('vs_best', 'blocks_vs_best') else ''}",
-                    file=sys.stderr,
-                )
+                goal = GPU_GOAL_VS_PINNED if k in ("vs_best", "blocks_vs_best") else None
+                print(f"         rayslice {k}: {_verdict(e[k], goal)}", file=sys.stderr)
     s = r["step"]
     print(f"  step {s['step_ms']:.2f} ms on resident data ({s['layers']} layers); fed, of that rate:", file=sys.stderr)
     for k in [f"{m}_vs_resident" for m in STEP_METHODS] + ["rayslice_vs_plain"]:
-        v = s[k]
-        goal = f"  goal >= {GOAL_STEP}: {'met' if v['median'] >= GOAL_STEP else 'NOT met'}"
-        print(
-            f"    {k:28s} median {v['median']:.3f} [min {v['min']:.3f}, max {v['max']:.3f}]"
-            f"{goal if k in ('rayslice_vs_resident', 'rayslice_vs_plain') else ''}",
-            file=sys.stderr,
-        )
+        goal = GOAL_STEP if k in ("rayslice_vs_resident", "rayslice_vs_plain") else None
+        print(f"    {k:28s} {_verdict(s[k], goal, 3)}", file=sys.stderr)
 
 
 _USAGE = "bench_accel.py [--dry-run] [rows=N] [repeats=N] [sizes_mb=4,8,16,32]"

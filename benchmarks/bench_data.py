@@ -125,6 +125,12 @@ def _spread(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
 
+def _verdict(v: dict[str, float], goal: float | None = None, digits: int = 2) -> str:
+    """A spread as ``median M [min A, max B]``, with the goal's verdict when there is one."""
+    text = f"median {v['median']:.{digits}f} [min {v['min']:.{digits}f}, max {v['max']:.{digits}f}]"
+    return text if goal is None else f"{text}  goal >= {goal}: {'met' if v['median'] >= goal else 'NOT met'}"
+
+
 def _blocks_numpy(ds: Any) -> list[Any]:
     """The Dataset's blocks as numpy views of the object store, in order (as the feeder reads them)."""
     return [b["data"] for b in ds.iter_batches(batch_size=None, batch_format="numpy")]
@@ -638,12 +644,7 @@ def _print_gpu(r: dict[str, Any]) -> None:
         ):
             if k not in e:
                 continue
-            v = e[k]
-            print(
-                f"         rayslice {k}: median {v['median']:.2f} [min {v['min']:.2f}, max {v['max']:.2f}]"
-                f"  goal >= {goal}: {'met' if v['median'] >= goal else 'NOT met'}",
-                file=sys.stderr,
-            )
+            print(f"         rayslice {k}: {_verdict(e[k], goal)}", file=sys.stderr)
     sp = r["store_pinning"]
     print(
         f"  object store registered for DMA: {sp['registered_mib']} MiB in {sp['seconds']:.2f} s (once per process)"
@@ -659,13 +660,8 @@ def _print_gpu(r: dict[str, Any]) -> None:
     )
     s = r["step"]
     for k in ("rayslice_vs_resident", "ray_vs_resident"):
-        v = s[k]
-        verdict = f"  goal >= {GOAL_STEP}: {'met' if v['median'] >= GOAL_STEP else 'NOT met'}" if k[0] == "r" else ""
-        print(
-            f"  step {s['step_ms']:.2f} ms ({s['layers']} layers), {k}: median {v['median']:.3f} "
-            f"[min {v['min']:.3f}, max {v['max']:.3f}]{verdict if k.startswith('rayslice') else ''}",
-            file=sys.stderr,
-        )
+        goal = GOAL_STEP if k.startswith("rayslice") else None
+        print(f"  step {s['step_ms']:.2f} ms ({s['layers']} layers), {k}: {_verdict(s[k], goal, 3)}", file=sys.stderr)
 
 
 _USAGE = "bench_data.py [--gpu [--dry-run]] [rows=N] [repeats=N] [sizes_mb=4,8 (with --gpu)]"
