@@ -58,6 +58,7 @@ from bench_data import (
     GOAL_STEP,
     GPU_GOAL_VS_PINNED,
     REBATCH_ROWS,
+    _ahead,
     _gbps,
     _spread,
     _step_rounds,
@@ -198,7 +199,7 @@ def run(
             "rayslice_sync": feeder(one, big, pipeline="sync"),
             "rayslice_blocks": feeder(blocks, big),
             "plain_thread": lambda: _plain_thread(jax, views, sharding),
-            "one_ahead": lambda: _one_ahead(jax, views, sharding),
+            "one_ahead": lambda: _ahead(jax.device_put(v, sharding) for v in views),  # the next put before a step
         },
         n,
         consume_step,
@@ -232,18 +233,6 @@ def _plain_thread(jax: Any, views: list[Any], sharding: Any, depth: int = 2) -> 
     while (x := q.get()) is not None:
         yield x
     thread.join()
-
-
-def _one_ahead(jax: Any, views: list[Any], sharding: Any) -> Iterable[Any]:
-    """Batches put by the consumer's own thread, the next one before this one is used (no feeder)."""
-    prev = None
-    for v in views:
-        x = jax.device_put(v, sharding)
-        if prev is not None:
-            yield prev
-        prev = x
-    if prev is not None:
-        yield prev
 
 
 def _print(r: dict[str, Any]) -> None:
