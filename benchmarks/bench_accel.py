@@ -19,7 +19,7 @@ GB/s from the first batch on:
 * the feeder: ``rayslice`` (defaults), ``rayslice_sync`` (``pipeline="sync"``),
   ``rayslice_blocks`` (defaults, from 8k-row blocks: each batch assembled in
   a staging buffer). ``staging="pinned"`` is left out: ``to_pinned`` and
-  ``pinned`` are its two halves (on a TPU v5e host it ran at 0.2 GB/s);
+  ``pinned`` are its two halves (on a TPU v5e host the feeder ran at 0.21-0.25 GB/s that way);
 * ratios per round: ``vs_best``, ``vs_pinned``, ``vs_pageable`` (rayslice's
   defaults), ``blocks_vs_best`` and ``best_feeder_vs_best`` (the feeder's
   fastest setting).
@@ -97,7 +97,7 @@ def _limits(jax: Any, host: Any, sharding: Any, pinned: Any, reps: int = 10) -> 
         p = jax.device_put(host, pinned)
         out["pinned"] = _in_flight(jax, p, sharding, reps, 1)
         out["pinned_2threads"] = _in_flight(jax, p, sharding, reps, 2)
-        out["to_pinned"] = _in_flight(jax, host, pinned, 2, 1)  # slow on some hosts (0.2 GB/s on a TPU v5e)
+        out["to_pinned"] = _in_flight(jax, host, pinned, 2, 1)  # slow on some hosts (0.2-0.5 GB/s on a TPU v5e)
     return out
 
 

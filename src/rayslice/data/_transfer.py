@@ -17,9 +17,9 @@ Measured on an H200 host (docs/performance.md, *GPU host*), for 8-32 MB
 batches: the feeder with pageable ``device_put`` 14-18 GB/s, through
 ``pinned_host`` 14-16 GB/s, from the registered store 49-54 GB/s, against a
 CUDA copy from pinned memory of 52-55 GB/s. On a TPU v5e host (*TPU host*)
-JAX copies numpy into ``pinned_host`` memory at ~0.2 GB/s, so staging
-through it held the feeder to 0.2 GB/s against a pageable ``device_put`` of
-11-12 GB/s: ``"auto"`` never stages. On a host with several local devices,
+JAX copies numpy into ``pinned_host`` memory at 0.2-0.5 GB/s, so staging
+through it held the feeder to 0.21-0.25 GB/s against a pageable
+``device_put`` of 11-12 GB/s: ``"auto"`` never stages. On a host with several local devices,
 each device's rows are transferred from a thread pool (``transfer_threads``).
 Staging buffers the feeder assembled a batch in are lent again once the
 transfer that read them is done (:class:`~rayslice.data._staging.StagingRing`).

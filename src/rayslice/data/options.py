@@ -188,7 +188,7 @@ class FeederOptions:
             registered with CUDA once per process (at most 64 GiB); every
             other batch as ``"pageable"``, which was as fast as ``"pinned"``
             on an H200 host and ~50x faster on a TPU v5e host, where JAX
-            copies numpy into ``pinned_host`` memory at ~0.2-0.4 GB/s).
+            copies numpy into ``pinned_host`` memory at 0.2-0.5 GB/s).
         transfer_threads: Threads issuing per-device transfers in parallel
             (0: every device's transfer from the feeder's own thread; None,
             the default: one per local device, at most 8, on accelerators
