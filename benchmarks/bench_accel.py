@@ -46,11 +46,10 @@ from __future__ import annotations
 import os
 import platform
 import queue
+import statistics
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from _options import run_script  # benchmarks/ is on the path: the script's folder
@@ -60,6 +59,8 @@ from bench_data import (
     REBATCH_ROWS,
     _ahead,
     _gbps,
+    _h2d,
+    _in_flight,
     _spread,
     _step_rounds,
     _time,
@@ -71,33 +72,12 @@ from bench_data import (
 LIMITS = ("pageable", "pageable_2threads", "pinned", "pinned_2threads")
 
 
-def _in_flight(jax: Any, src: Any, target: Any, reps: int, threads: int) -> float:
-    """GB/s of ``reps`` ``device_put``s of ``src`` to ``target``, issued from ``threads`` threads, all awaited."""
-
-    def issue(k: int) -> list[Any]:
-        return [jax.device_put(src, target) for _ in range(k)]
-
-    jax.block_until_ready(issue(1))
-    t0 = time.perf_counter()
-    if threads == 1:
-        jax.block_until_ready(issue(reps))
-    else:
-        with ThreadPoolExecutor(threads) as pool:
-            shares = [reps // threads + (i < reps % threads) for i in range(threads)]
-            jax.block_until_ready(list(pool.map(issue, shares)))
-    return _gbps(src.nbytes * reps, time.perf_counter() - t0)
-
-
 def _limits(jax: Any, host: Any, sharding: Any, pinned: Any, reps: int = 10) -> dict[str, float]:
-    out = {
-        "pageable": _in_flight(jax, host, sharding, reps, 1),
-        "pageable_2threads": _in_flight(jax, host, sharding, reps, 2),
-    }
+    """bench_data's host->device limits, plus pageable puts from two threads and numpy into ``pinned_host``."""
+    out = _h2d(jax, host, sharding, pinned, reps)
+    out["pageable_2threads"] = _in_flight(jax, host, sharding, reps, threads=2)
     if pinned is not None:
-        p = jax.device_put(host, pinned)
-        out["pinned"] = _in_flight(jax, p, sharding, reps, 1)
-        out["pinned_2threads"] = _in_flight(jax, p, sharding, reps, 2)
-        out["to_pinned"] = _in_flight(jax, host, pinned, 2, 1)  # slow on some hosts (0.2-0.5 GB/s on a TPU v5e)
+        out["to_pinned"] = _in_flight(jax, host, pinned, 2)  # slow on some hosts (0.2-0.5 GB/s on a TPU v5e)
     return out
 
 
@@ -188,10 +168,10 @@ def run(
         result["sizes"][f"{mb}MB"] = entry
     big = sizes_mb[-1] * 2**20 // row_bytes
     n = rows - rows % big
-    resident = [jax.device_put(src[i : i + big], sharding) for i in range(0, n, big)]
+    views = [src[i : i + big] for i in range(0, n, big)]
+    resident = [jax.device_put(v, sharding) for v in views]
     jax.block_until_ready(resident)
     consume_step, layers = _training_step(width, sharding, resident, big, dry_run)
-    views = [src[i : i + big] for i in range(0, n, big)]
     steps = _step_rounds(
         {
             "resident": lambda: iter(resident),
@@ -209,7 +189,7 @@ def run(
     result["step"] = {
         "batch_rows": big,
         "layers": layers,
-        "step_ms": 1e3 * sorted(steps["resident"])[len(steps["resident"]) // 2],
+        "step_ms": 1e3 * statistics.median(steps["resident"]),
         **{f"{k}_vs_resident": _spread([r / f for r, f in zip(steps["resident"], steps[k])]) for k in STEP_METHODS},
         "rayslice_vs_plain": _spread([p / f for p, f in zip(plain, steps["rayslice"])]),
     }

@@ -299,36 +299,37 @@ def _gbps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9
 
 
+def _in_flight(jax: Any, src: Any, target: Any, reps: int, threads: int = 1) -> float:
+    """GB/s of ``reps`` ``device_put``s of ``src`` to ``target``, all in flight, issued from ``threads`` threads.
+
+    Each way of issuing is warmed up first (a pool's threads started too), outside the timed region.
+    """
+
+    def issue(k: int) -> list[Any]:
+        return [jax.device_put(src, target) for _ in range(k)]
+
+    if threads == 1:
+        jax.block_until_ready(issue(1))
+        t0 = time.perf_counter()
+        jax.block_until_ready(issue(reps))
+        return _gbps(src.nbytes * reps, time.perf_counter() - t0)
+    shares = [reps // threads + (i < reps % threads) for i in range(threads)]
+    with ThreadPoolExecutor(threads) as pool:
+        jax.block_until_ready(list(pool.map(issue, [1] * threads)))
+        t0 = time.perf_counter()
+        jax.block_until_ready(list(pool.map(issue, shares)))
+        return _gbps(src.nbytes * reps, time.perf_counter() - t0)
+
+
 def _h2d(jax: Any, host: Any, dev_sharding: Any, pinned_sharding: Any, reps: int) -> dict[str, float]:
     """Host->device GB/s of one batch: pageable numpy, and from a JAX pinned_host array."""
-    out: dict[str, float] = {}
-    nbytes = host.nbytes
-    y = jax.device_put(host, dev_sharding)
-    y.block_until_ready()
-    t0 = time.perf_counter()
-    ys = [jax.device_put(host, dev_sharding) for _ in range(reps)]
-    jax.block_until_ready(ys)
-    out["pageable"] = _gbps(nbytes * reps, time.perf_counter() - t0)
-    del ys
+    out = {"pageable": _in_flight(jax, host, dev_sharding, reps)}
     if pinned_sharding is not None:
         p = jax.device_put(host, pinned_sharding)
-        p.block_until_ready()
-        jax.device_put(p, dev_sharding).block_until_ready()
-        t0 = time.perf_counter()
-        ys = [jax.device_put(p, dev_sharding) for _ in range(reps)]
-        jax.block_until_ready(ys)
-        out["pinned"] = _gbps(nbytes * reps, time.perf_counter() - t0)
-        del ys
+        out["pinned"] = _in_flight(jax, p, dev_sharding, reps)
         # The same puts issued from two threads: whether a transfer's fixed cost is host
         # work in the issuing thread that a second thread overlaps (then this is the limit).
-        with ThreadPoolExecutor(2) as pool:
-            list(pool.map(lambda _: jax.device_put(p, dev_sharding).block_until_ready(), range(2)))
-            t0 = time.perf_counter()
-            parts = list(
-                pool.map(lambda k: [jax.device_put(p, dev_sharding) for _ in range(k)], (reps // 2, reps - reps // 2))
-            )
-            jax.block_until_ready(parts)
-            out["pinned_2threads"] = _gbps(nbytes * reps, time.perf_counter() - t0)
+        out["pinned_2threads"] = _in_flight(jax, p, dev_sharding, reps, threads=2)
     return out
 
 
