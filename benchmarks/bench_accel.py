@@ -17,15 +17,21 @@ GB/s from the first batch on:
   flight: the host copy that ``staging="pinned"`` adds). The true limit of a
   round is its fastest way to the device (``best``);
 * the feeder: ``rayslice`` (defaults), ``rayslice_sync`` (``pipeline="sync"``),
-  ``rayslice_blocks`` (defaults, from 8k-row blocks: each batch assembled in
-  a staging buffer). ``staging="pinned"`` is left out: ``to_pinned`` and
-  ``pinned`` are its two halves (on a TPU v5e host the feeder ran at 0.21-0.25 GB/s that way);
+  ``rayslice_blocks`` (defaults, from 8k-row blocks: a batch spanning blocks
+  is joined on the device), ``rayslice_blocks_host`` (the same, joined in a
+  staging buffer on the host: ``assemble="host"``), ``rayslice_uneven``
+  (defaults, from 10,000-row blocks, which cut every batch at another place:
+  no join layout recurs, so those are joined on the host). ``staging="pinned"``
+  is left out: ``to_pinned`` and ``pinned`` are its two halves (on a TPU v5e
+  host the feeder ran at 0.21-0.25 GB/s that way). The first (warm-up) pass
+  of each, which compiles the device joins, is reported apart (``warm_up_pass_ms``);
 * ratios per round: ``vs_best``, ``vs_pinned``, ``vs_pageable`` (rayslice's
-  defaults), ``blocks_vs_best`` and ``best_feeder_vs_best`` (the feeder's
-  fastest setting).
+  defaults), ``blocks_vs_best``, ``blocks_host_vs_best``, ``uneven_vs_best`` and
+  ``best_feeder_vs_best`` (the feeder's fastest setting).
 
 Then a ~5 ms jitted step on data already on the device (``resident``) and fed:
-by the feeder (its defaults, ``pipeline="sync"``, and from 8k-row blocks), and
+by the feeder (its defaults, ``pipeline="sync"``, and from 8k-row blocks joined
+on the device and on the host), and
 by two plain loops without the feeder, the true limit of feeding the step on
 this host (a transfer during a step can slow the step itself): ``plain_thread``
 (a thread ``device_put``-ing into a 2-deep queue) and ``one_ahead`` (the
@@ -116,6 +122,9 @@ def run(
     src[:] = np.random.default_rng(0).standard_normal((rows, width), dtype=np.float32)
     one = [{"data": src}]
     blocks = [{"data": src[i : i + REBATCH_ROWS]} for i in range(0, rows, REBATCH_ROWS)]
+    # Blocks whose size is unrelated to the batch's: every batch cuts them at another place, so a
+    # stream meets more join layouts than it compiles (the rest are joined on the host).
+    uneven = [{"data": src[i : i + UNEVEN_ROWS]} for i in range(0, rows, UNEVEN_ROWS)]
     row_bytes = width * 4
     result: dict[str, Any] = {
         "device": str(getattr(dev, "device_kind", dev.platform)),
@@ -135,7 +144,11 @@ def run(
         return lambda: iter_jax_batches(source, batch_size=bs, sharding=sharding, ragged="drop", **kw)
 
     with iter_jax_batches(one, batch_size=8, sharding=sharding) as probe:  # what the defaults chose here
-        result["defaults"] = {"pipeline": probe._feeder.pipeline, "staging_pinned": probe._feeder.pinned is not None}
+        result["defaults"] = {
+            "pipeline": probe._feeder.pipeline,
+            "staging_pinned": probe._feeder.pinned is not None,
+            "assemble": probe._feeder.assemble,
+        }
     for mb in sizes_mb:
         bs = mb * 2**20 // row_bytes
         n = rows - rows % bs
@@ -143,9 +156,11 @@ def run(
             "rayslice": feeder(one, bs),
             "rayslice_sync": feeder(one, bs, pipeline="sync"),
             "rayslice_blocks": feeder(blocks, bs),
+            "rayslice_blocks_host": feeder(blocks, bs, assemble="host"),
+            "rayslice_uneven": feeder(uneven, bs),
         }
-        for fn in methods.values():  # warm-up: compiles nothing, but pins and pages in
-            _time(fn, n)
+        # Warm-up: pages in, and compiles the device joins of the block sources (reported).
+        warm_up = {name: 1e3 * _time(fn, n) for name, fn in methods.items()}
         per: dict[str, list[float]] = {}
         first: dict[str, list[float]] = {}
         for _ in range(repeats):
@@ -160,11 +175,14 @@ def run(
         entry: dict[str, Any] = {k: _spread(v) for k, v in per.items()}
         entry["vs_best"] = _spread([a / b for a, b in zip(per["rayslice"], best)])
         entry["blocks_vs_best"] = _spread([a / b for a, b in zip(per["rayslice_blocks"], best)])
+        entry["blocks_host_vs_best"] = _spread([a / b for a, b in zip(per["rayslice_blocks_host"], best)])
+        entry["uneven_vs_best"] = _spread([a / b for a, b in zip(per["rayslice_uneven"], best)])
         entry["best_feeder_vs_best"] = _spread([a / b for a, b in zip(feeders, best)])
         for ref in ("pinned", "pageable"):
             if ref in per:
                 entry[f"vs_{ref}"] = _spread([a / b for a, b in zip(per["rayslice"], per[ref])])
         entry["first_batch_ms"] = {k: _spread(v) for k, v in first.items()}
+        entry["warm_up_pass_ms"] = warm_up
         result["sizes"][f"{mb}MB"] = entry
     big = sizes_mb[-1] * 2**20 // row_bytes
     n = rows - rows % big
@@ -178,6 +196,7 @@ def run(
             "rayslice": feeder(one, big),
             "rayslice_sync": feeder(one, big, pipeline="sync"),
             "rayslice_blocks": feeder(blocks, big),
+            "rayslice_blocks_host": feeder(blocks, big, assemble="host"),
             "plain_thread": lambda: _plain_thread(jax, views, sharding),
             "one_ahead": lambda: _ahead(jax.device_put(v, sharding) for v in views),  # the next put before a step
         },
@@ -196,7 +215,8 @@ def run(
     return result
 
 
-STEP_METHODS = ("rayslice", "rayslice_sync", "rayslice_blocks", "plain_thread", "one_ahead")
+STEP_METHODS = ("rayslice", "rayslice_sync", "rayslice_blocks", "rayslice_blocks_host", "plain_thread", "one_ahead")
+UNEVEN_ROWS = 10_000  # rows per block of the uneven source (not a divisor of any batch size here)
 
 
 def _plain_thread(jax: Any, views: list[Any], sharding: Any, depth: int = 2) -> Iterable[Any]:
@@ -225,13 +245,25 @@ def _print(r: dict[str, Any]) -> None:
         f"memory kinds {r['memory_kinds']}; defaults here {r['defaults']}; {r['repeats']} rounds",
         file=sys.stderr,
     )
-    ratios = ("vs_best", "blocks_vs_best", "best_feeder_vs_best", "vs_pinned", "vs_pageable")
+    ratios = (
+        "vs_best",
+        "blocks_vs_best",
+        "blocks_host_vs_best",
+        "uneven_vs_best",
+        "best_feeder_vs_best",
+        "vs_pinned",
+        "vs_pageable",
+    )
     for size, e in r["sizes"].items():
-        bw = "  ".join(f"{k} {v['median']:.1f}" for k, v in e.items() if k not in ratios and k != "first_batch_ms")
+        bw = "  ".join(f"{k} {v['median']:.1f}" for k, v in e.items() if k not in ratios and not k.endswith("_ms"))
         print(f"  {size:>5}: GB/s from the first batch on: {bw}", file=sys.stderr)
         print(
             "         ms to the first batch: "
             + "  ".join(f"{k} {v['median']:.1f}" for k, v in e["first_batch_ms"].items()),
+            file=sys.stderr,
+        )
+        print(
+            "         ms of the warm-up pass: " + "  ".join(f"{k} {v:.0f}" for k, v in e["warm_up_pass_ms"].items()),
             file=sys.stderr,
         )
         for k in ratios:

@@ -13,7 +13,7 @@ from .conftest import live_groups
 pytestmark = pytest.mark.ray
 
 
-def _consume(shard, batch_size: int, ragged: str) -> dict:
+def _consume(shard, batch_size: int, ragged: str, assemble: str = "auto") -> dict:
     """Runs on each host: feed the shard, gather every global batch's real ids on every host."""
     import jax
     from jax.experimental import multihost_utils
@@ -21,8 +21,9 @@ def _consume(shard, batch_size: int, ragged: str) -> dict:
     from rayslice.data import RaggedBatchError, iter_jax_batches
 
     shapes, ids, error = [], [], None
+    it = iter_jax_batches(shard, batch_size=batch_size, ragged=ragged, assemble=assemble)
     try:
-        for b in iter_jax_batches(shard, batch_size=batch_size, ragged=ragged):
+        for b in it:
             shapes.append(b["id"].shape)
             assert len(b["id"].sharding.device_set) == jax.device_count() == 8
             assert not b["id"].is_fully_addressable  # truly global: half on the other host
@@ -32,15 +33,19 @@ def _consume(shard, batch_size: int, ragged: str) -> dict:
             ids.extend(np.asarray(full).tolist())
     except RaggedBatchError as e:
         error = str(e)
-    return {"rank": jax.process_index(), "shapes": shapes, "ids": ids, "error": error}
+    joins = it._feeder._transfers.device_joins
+    return {"rank": jax.process_index(), "shapes": shapes, "ids": ids, "error": error, "device_joins": joins}
 
 
-def _run(per_host_sources, batch_size, ragged):
+def _run(per_host_sources, batch_size, ragged, assemble="auto"):
     with (
         rayslice.slice_placement_group("2x2x2", "TPU-V4", timeout_s=60, progress=False) as spg,
         rayslice.SliceGang(spg, init_timeout_s=90) as gang,
     ):
-        refs = [a.call.remote(_consume, (src, batch_size, ragged), {}) for a, src in zip(gang.actors, per_host_sources)]
+        refs = [
+            a.call.remote(_consume, (src, batch_size, ragged, assemble), {})
+            for a, src in zip(gang.actors, per_host_sources)
+        ]
         import ray
 
         return ray.get(refs, timeout=120)
@@ -60,19 +65,22 @@ def test_ray_dataset_split_every_row_once_over_two_hosts(ray_cluster):
     assert live_groups(PG_NAME_PREFIX) == []
 
 
-def _host_rows(n0: int, n1: int):
+def _host_rows(n0: int, n1: int, block: int | None = None):
     def make(lo, n):
-        return [{"id": np.arange(lo, lo + n)}] if n else []
+        step = block or max(n, 1)
+        return [{"id": np.arange(lo + i, lo + min(n, i + step))} for i in range(0, n, step)]
 
     return [make(0, n0), make(1000, n1)]
 
 
 @pytest.mark.parametrize("ragged", ["raise", "drop", "pad"])
 def test_uneven_hosts_never_hang_and_agree(ray_cluster, ragged):
-    # host 0 has 20 rows, host 1 has 9: host 1 runs out at step 1 (batch 8).
-    out = _run(_host_rows(20, 9), batch_size=8, ragged=ragged)
+    # host 0 has 20 rows, host 1 has 9: host 1 runs out at step 1 (batch 8). In blocks of 4
+    # rows, joined on the devices: each global batch built from both processes' pieces.
+    out = _run(_host_rows(20, 9, block=4), batch_size=8, ragged=ragged, assemble="device")
     a, b = out
     assert a["shapes"] == b["shapes"]
+    assert a["device_joins"] >= 1 and b["device_joins"] >= 1
     if ragged == "raise":
         assert len(a["shapes"]) == 1
         assert a["error"] == b["error"] and "host 0: 8, host 1: 1 row(s) left for batch_size 8" in a["error"]

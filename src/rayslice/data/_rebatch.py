@@ -20,6 +20,9 @@ from typing import Any
 
 import numpy as np
 
+from rayslice.data._pieces import Pieces
+from rayslice.data.options import on_device
+
 Batch = dict[str, np.ndarray]
 Alloc = Callable[[tuple[int, ...], np.dtype], np.ndarray]
 
@@ -109,9 +112,10 @@ def _shuffled(batches: Iterable[Batch], buffer_size: int, seed: int | None, out_
         yield {k: v[order] for k, v in buf.items()}
 
 
-def _assemble(parts: list[Batch], rows: int, alloc: Alloc) -> Batch:
+def _assemble(parts: list[Batch], rows: int, alloc: Alloc, lazy: bool = False) -> Batch:
     """One batch from consecutive pieces: a piece alone as it is (a view), else each
-    piece's rows written straight into one buffer from ``alloc`` (no concatenate)."""
+    piece's rows written straight into one buffer from ``alloc`` (no concatenate);
+    with ``lazy``, a column whose pieces share a device dtype stays :class:`Pieces`."""
     if len(parts) == 1:
         return parts[0]
     first = parts[0]
@@ -121,6 +125,9 @@ def _assemble(parts: list[Batch], rows: int, alloc: Alloc) -> Batch:
         if any(p[k].shape[1:] != v0.shape[1:] for p in parts):
             shapes = sorted({str(list(p[k].shape[1:])) for p in parts})
             raise ValueError(f"column {k!r} has different trailing shapes across source batches: {shapes}")
+        if lazy and on_device(dtype) and all(p[k].dtype == dtype for p in parts):
+            out[k] = Pieces([p[k] for p in parts])  # type: ignore[assignment]  # joined on the device
+            continue
         buf = alloc((rows, *v0.shape[1:]), dtype)
         at = 0
         for p in parts:
@@ -131,9 +138,11 @@ def _assemble(parts: list[Batch], rows: int, alloc: Alloc) -> Batch:
     return out
 
 
-def _rebatch(batches: Iterable[Batch], batch_size: int, skip_rows: int, alloc: Alloc | None = None) -> Iterator[Batch]:
+def _rebatch(
+    batches: Iterable[Batch], batch_size: int, skip_rows: int, alloc: Alloc | None = None, lazy: bool = False
+) -> Iterator[Batch]:
     """Exact ``batch_size`` batches: zero-copy views where a batch lies inside one source
-    batch, else the pieces written into one staging buffer from ``alloc``."""
+    batch, else the pieces written into one staging buffer from ``alloc`` (``lazy``: kept as pieces)."""
     alloc = alloc or _plain_empty
     parts: list[Batch] = []
     have = 0
@@ -161,10 +170,10 @@ def _rebatch(batches: Iterable[Batch], batch_size: int, skip_rows: int, alloc: A
             have += take
             start += take
             if have == batch_size:
-                yield _assemble(parts, batch_size, alloc)
+                yield _assemble(parts, batch_size, alloc, lazy)
                 parts, have = [], 0
     if have:
-        yield _assemble(parts, have, alloc)
+        yield _assemble(parts, have, alloc, lazy)
 
 
 def check_source(source: Any) -> None:
@@ -246,6 +255,7 @@ def host_batches(
     shuffle_buffer: int | None = None,
     shuffle_seed: int | None = None,
     alloc: Alloc | None = None,
+    lazy: bool = False,
 ) -> Iterator[Batch]:
     """Exact-size host batches from ``source`` (see module docstring).
 
@@ -256,13 +266,15 @@ def host_batches(
     here: a batch inside one block is a zero-copy view of the store's
     (64-byte aligned) memory; a batch spanning blocks is written piece by
     piece into one buffer from ``alloc`` (the feeder's staging buffers).
+    With ``lazy``, such a batch's columns stay :class:`~rayslice.data._pieces.Pieces`
+    (joined on the device later).
     With a local shuffle, Ray shuffles and rows arrive ``fetch_batches``
     batches at a time. ``skip_rows`` (resuming) skips whole blocks unconverted.
     """
     if _is_ray_source(source):
         if shuffle_buffer is None and _is_materialized(source):
             blocks = _stored_blocks(source, columns, skip_rows, ray_prefetch_batches)
-            yield from _rebatch(blocks, batch_size, 0, alloc)
+            yield from _rebatch(blocks, batch_size, 0, alloc, lazy)
             return
         ds = source
         if columns is not None and hasattr(ds, "select_columns"):
@@ -291,9 +303,9 @@ def host_batches(
             for _ in range(whole):
                 if next(raw, None) is None:
                     return
-        yield from _rebatch(converted, batch_size, skip_rows, alloc)
+        yield from _rebatch(converted, batch_size, skip_rows, alloc, lazy)
         return
     batches: Iterable[Batch] = (to_numpy_batch(b, columns) for b in source)
     if shuffle_buffer is not None:
         batches = _shuffled(batches, shuffle_buffer, shuffle_seed, batch_size)
-    yield from _rebatch(batches, batch_size, skip_rows, alloc)
+    yield from _rebatch(batches, batch_size, skip_rows, alloc, lazy)

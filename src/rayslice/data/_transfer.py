@@ -11,7 +11,11 @@ devices of its sharding, column by column:
 * **through ``pinned_host`` memory** (``"pinned"`` only): ``device_put`` into
   JAX's pinned host memory, then to the devices;
 * **as it is** (every other column under ``"auto"``, and ``"pageable"``): a
-  ``device_put`` of host memory (on CPU devices an alias of an aligned batch).
+  ``device_put`` of host memory (on CPU devices an alias of an aligned batch);
+* **in pieces** (a :class:`~rayslice.data._pieces.Pieces` column, a batch
+  spanning source blocks under ``assemble="device"``): each device's rows
+  of each piece transferred as they are and joined on that device; a layout
+  past the stream's budget is joined on the host first.
 
 Measured on an H200 host (docs/performance.md, *GPU host*), for 8-32 MB
 batches: the feeder with pageable ``device_put`` 14-18 GB/s, through
@@ -43,7 +47,8 @@ from typing import Any
 import numpy as np
 
 from rayslice._validate import fail
-from rayslice.data._staging import StagingRing
+from rayslice.data._pieces import Layouts, Pieces, device_spans, join_on_device
+from rayslice.data._staging import StagingRing, aligned_empty
 from rayslice.data._storepin import StorePinning, store_pinning
 
 Batch = Mapping[str, np.ndarray]
@@ -99,6 +104,9 @@ class Transfers:
         self.threads = threads if process_count == 1 and len(self.local) > 1 else 0
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="rayslice-h2d") if self.threads else None
         self._index_maps: dict[tuple, list] = {}
+        self._spans: dict[tuple, Any] = {}
+        self.layouts = Layouts()
+        self.device_joins = 0  # columns joined on the devices (for tests and benchmarks)
 
     def _pinned_sharding(self, staging: str, device: Any) -> Any:
         """The batch sharding in ``pinned_host`` memory, or None to transfer from pageable memory."""
@@ -160,12 +168,60 @@ class Transfers:
         out = {k: jax.make_array_from_process_local_data(target, v, shape0 + v.shape[1:]) for k, v in dev.items()}
         return jax.device_put(out, self.sharding) if pinned is not None else out
 
+    def _device_parts(self, col: Pieces, rows: int) -> list[tuple[Any, list[np.ndarray]]] | None:
+        """Each local device's pieces of ``col``, or None to join it on the host (see :meth:`put`)."""
+        if self.store is not None:  # pieces of Ray's store: registered for DMA on first sight, as views are
+            self._in_store(col.parts[0])
+        shape = (rows * self.process_count, *col.shape[1:])
+        if shape not in self._spans:
+            self._spans[shape] = device_spans(self.sharding, shape)
+        spans = self._spans[shape]
+        if spans is None:
+            return None
+        parts = [(d, col.rows(a, b)) for d, a, b in spans]
+        key = tuple((d.id, tuple(len(p) for p in ps)) for d, ps in parts if len(ps) > 1)
+        if key and not self.layouts.admit((key, col.dtype.str, col.shape[1:])):
+            return None
+        return parts
+
+    def _join_on_devices(self, col: Pieces, rows: int, parts: list[tuple[Any, list[np.ndarray]]]) -> Any:
+        import jax
+
+        if self._pool is not None:
+            futures = [self._pool.submit(join_on_device, ps, d) for d, ps in parts]
+            arrays = [f.result() for f in futures]
+        else:
+            arrays = [join_on_device(ps, d) for d, ps in parts]
+        self.device_joins += 1
+        return jax.make_array_from_single_device_arrays(
+            (rows * self.process_count, *col.shape[1:]), self.sharding, arrays
+        )
+
     def put(self, dev: Batch, rows: int) -> dict[str, Any]:
         """Global arrays of this host's ``rows``-row batch ``dev`` (device columns only).
 
         A staging buffer the batch was assembled in is lent again once the
-        transfer that reads it is done.
+        transfer that reads it is done. A :class:`Pieces` column is joined on
+        the devices, or on the host where its layout is past the budget.
         """
+        joined: dict[str, Any] = {}
+        if any(isinstance(v, Pieces) for v in dev.values()):
+            alloc = self.ring.alloc if self.ring is not None else aligned_empty
+            plain = {}
+            for k, v in dev.items():
+                parts = self._device_parts(v, rows) if isinstance(v, Pieces) else None
+                if parts is not None:
+                    joined[k] = self._join_on_devices(v, rows, parts)
+                else:
+                    plain[k] = v.join(alloc) if isinstance(v, Pieces) else v
+            if not plain:
+                return {k: joined[k] for k in dev}
+            out = self._put_plain(plain, rows)
+            return {k: joined[k] if k in joined else out[k] for k in dev}
+        return self._put_plain(dev, rows)
+
+    def _put_plain(self, dev: Batch, rows: int) -> dict[str, Any]:
+        """:meth:`put` of numpy columns."""
         direct = {k for k, v in dev.items() if self._in_store(v)}
         if self._pool is not None:
             out = self._put_per_device(dev, direct)

@@ -4,7 +4,8 @@ Each host reads its own rows (``batch_size`` per host per step), casts them on
 the host, and assembles one global ``jax.Array`` of ``batch_size x
 process_count`` rows sharded along the batch dimension. A batch inside one
 Ray block is a zero-copy view of the object store; one spanning blocks is
-written piece by piece into a staging buffer. On accelerators the batch
+written piece by piece into a staging buffer, or on accelerators sent piece
+by piece and joined on the device (``assemble``). On accelerators the batch
 reaches the devices asynchronously (in parallel per device): on CUDA devices
 a view of Ray's object store by DMA as it is (the store is registered with
 CUDA once per process), anything else by ``device_put`` from host memory
@@ -54,6 +55,7 @@ import numpy as np
 from rayslice._validate import fail
 from rayslice.data import _columns as cols
 from rayslice.data._agreement import RowAgreement, next_stream_id
+from rayslice.data._pieces import Pieces
 from rayslice.data._rebatch import Batch, check_source, host_batches
 from rayslice.data._sharding import batch_sharding, default_sharding
 from rayslice.data._staging import AliasPool
@@ -76,6 +78,23 @@ GROUP_MAX_BYTES = 4 << 20
 def _reuses_staging(platform: str) -> bool:
     """Whether a device copy of a host buffer never aliases it (so the buffer can be reused)."""
     return platform != "cpu"
+
+
+def _assembly(choice: str, platform: str, pinned: bool) -> str:
+    """Where a batch spanning source blocks is joined: ``"device"`` or ``"host"`` (``FeederOptions.assemble``).
+
+    ``"auto"`` joins on the device on accelerators (one host copy fewer; on a TPU
+    v5e host the full ``device_put`` rate against a third of it), on the host on
+    CPU devices (an aligned staging buffer is aliased there, not copied) and
+    when staging through pinned memory (the batch is staged whole).
+
+    Example:
+        >>> _assembly("auto", "tpu", False), _assembly("auto", "cpu", False), _assembly("auto", "gpu", True)
+        ('device', 'host', 'host')
+    """
+    if choice != "auto":
+        return choice
+    return "device" if platform != "cpu" and not pinned else "host"
 
 
 class _Feeder:
@@ -131,6 +150,8 @@ class _Feeder:
         self._fills: dict[str, Any] = {}
         self._full_mask: Any = None
         self._source_done = False
+        self._alloc = self._ring.alloc if self._ring is not None else self._alias_pool.alloc  # type: ignore[union-attr]
+        self.assemble = _assembly(o.assemble, self.platform, self.pinned is not None)
         self._source = host_batches(
             source,
             o.batch_size,
@@ -138,11 +159,13 @@ class _Feeder:
             skip_rows=self._rows,
             shuffle_buffer=o.local_shuffle_buffer_size,
             shuffle_seed=o.local_shuffle_seed,
-            alloc=self._ring.alloc if self._ring is not None else self._alias_pool.alloc,  # type: ignore[union-attr]
+            alloc=self._alloc,
+            lazy=self.assemble == "device",
         )
         # CPU devices alias host memory (a batch on device costs no device memory), so the
         # consumer's next() transfers a few batches at once; elsewhere one at a time.
         single = self.process_count == 1 and self.transfer_threads == 0 and self.pinned is None
+        single = single and self.assemble == "host"
         self._group = GROUP_MAX_BATCHES if single and self.platform == "cpu" and self.pipeline == "sync" else 1
         self._deferred: Exception | None = None  # a source error raised once the batches before it are out
         self._gen = self._generate()
@@ -187,10 +210,25 @@ class _Feeder:
             self._fills = {
                 k: cols.pad_fill(o.pad_value, k, v.dtype, k in self.host_columns) for k, v in template.items()
             }
-        self._template = {k: v[:0].copy() for k, v in template.items()}  # no view: it would pin a staging buffer
+        # Empty arrays of the layout (no view: it would pin a staging buffer).
+        self._template = {k: np.empty((0, *v.shape[1:]), v.dtype) for k, v in template.items()}
+
+    def _host_join(self, local: Batch) -> Batch:
+        """Joins on the host the :class:`Pieces` columns that host work reads (collate, a cast, host columns)."""
+        o = self.options
+
+        def on_host(k: str, v: Pieces) -> bool:
+            if o.collate_fn is not None or k in self.host_columns:
+                return True
+            want = o.dtypes.get(k) if isinstance(o.dtypes, Mapping) else o.dtypes
+            return want is not None and np.dtype(want) != v.dtype
+
+        return {k: v.join(self._alloc) if isinstance(v, Pieces) and on_host(k, v) else v for k, v in local.items()}
 
     def _prepare(self, local: Batch) -> Batch:
         o = self.options
+        if self.assemble == "device":
+            local = self._host_join(local)
         if o.collate_fn is not None:
             local = cols.collate(o.collate_fn, local)
         local = cols.cast(local, o.dtypes, o.host_columns)
@@ -491,6 +529,7 @@ def iter_jax_batches(
     prefetch: int | None = None,
     pipeline: str | None = None,
     staging: str | None = None,
+    assemble: str | None = None,
     transfer_threads: int | None = None,
     dtypes: Any = None,
     columns: Sequence[str] | None = None,
@@ -535,6 +574,9 @@ def iter_jax_batches(
         staging: ``"auto"`` (default: on CUDA devices, views of Ray's object
             store by DMA from the registered store; otherwise as
             ``"pageable"``), ``"pinned"`` or ``"pageable"``.
+        assemble: Where a batch spanning several source blocks is joined:
+            ``"auto"`` (default: on the device on accelerators, on the host on
+            CPU devices), ``"device"`` or ``"host"``.
         transfer_threads: Threads issuing per-device transfers in parallel
             (default: one per local accelerator when there are several).
         dtypes: One dtype for every device column (as Ray), or ``{column: dtype}``.
@@ -576,6 +618,7 @@ def iter_jax_batches(
         prefetch=prefetch,
         pipeline=pipeline,
         staging=staging,
+        assemble=assemble,
         transfer_threads=transfer_threads,
         dtypes=dtypes,
         columns=columns,

@@ -1,0 +1,205 @@
+"""Batches spanning source blocks joined on the device (``assemble="device"``), against the host join.
+
+On CPU devices ``"auto"`` joins on the host, so these tests ask for ``"device"``: the same
+batches, states and errors must come out either way, on one device or split over several."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rayslice.data import FeederOptions, iter_jax_batches
+from rayslice.data._pieces import Pieces, device_spans
+from rayslice.data._rebatch import host_batches
+from rayslice.data.feeder import _assembly
+from rayslice.errors import InvalidArgument
+
+
+def blocks(sizes, width=3):
+    out, start = [], 0
+    for n in sizes:
+        ids = np.arange(start, start + n, dtype=np.int64)
+        out.append({"id": ids, "x": np.repeat(ids[:, None], width, axis=1).astype(np.float32)})
+        start += n
+    return out
+
+
+def _all(it):
+    out = [{k: np.asarray(v) for k, v in b.items()} for b in it]
+    return out, it
+
+
+def _same(got, want):
+    assert len(got) == len(want) and got
+    for a, b in zip(got, want):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert a[k].dtype == b[k].dtype, k
+            np.testing.assert_array_equal(a[k], b[k])
+
+
+@settings(max_examples=100, deadline=None)
+@given(parts=st.lists(st.integers(1, 9), min_size=1, max_size=6), data=st.data())
+def test_pieces_cover_any_row_range_and_join_in_order(parts, data):
+    arrays, at = [], 0
+    for n in parts:
+        arrays.append(np.arange(at, at + n).reshape(n, 1) * np.ones((1, 2)))
+        at += n
+    col = Pieces(arrays)
+    whole = np.concatenate(arrays)
+    assert col.shape == whole.shape and len(col) == at and col.nbytes == whole.nbytes
+    np.testing.assert_array_equal(col.join(np.empty), whole)
+    np.testing.assert_array_equal(np.asarray(col), whole)
+    lo = data.draw(st.integers(0, at - 1))
+    hi = data.draw(st.integers(lo + 1, at))
+    sub = col.rows(lo, hi)
+    assert all(len(p) for p in sub) and all(any(np.shares_memory(p, a) for a in arrays) for p in sub)  # views
+    np.testing.assert_array_equal(np.concatenate(sub), whole[lo:hi])
+
+
+def test_only_pieces_of_one_device_dtype_are_kept_apart():
+    src = [
+        {"a": np.arange(3), "b": np.arange(3.0), "s": np.array(list("abc"))},
+        {"a": np.arange(3, 6), "b": np.arange(3, 6), "s": np.array(list("def"))},
+    ]
+    b = next(host_batches(src, 6, lazy=True))
+    assert isinstance(b["a"], Pieces)  # one dtype: joined on the device later
+    assert isinstance(b["b"], np.ndarray) and b["b"].dtype == np.float64  # float64 and int64: promoted on the host
+    assert isinstance(b["s"], np.ndarray)  # strings never reach a device
+    one = next(host_batches([{"a": np.arange(8)}], 4, lazy=True))
+    assert isinstance(one["a"], np.ndarray)  # inside one block: a view, as ever
+
+
+def test_device_spans_map_a_process_s_shards_onto_its_local_rows():
+    # As jax.make_array_from_process_local_data documents: slices (8, 12) and (24, 28) of the
+    # global array are rows (0, 4) and (4, 8) of this process's data.
+    class Dev:
+        def __init__(self, i):
+            self.id = i
+
+    class Sharding:
+        def __init__(self, index):
+            self.index = index
+
+        def addressable_devices_indices_map(self, shape):
+            return self.index
+
+    d = [Dev(i) for i in range(3)]
+    spans = device_spans(Sharding({d[1]: (slice(24, 28),), d[0]: (slice(8, 12),), d[2]: (slice(8, 12),)}), (32,))
+    assert [(x.id, a, b) for x, a, b in spans] == [(0, 0, 4), (1, 4, 8), (2, 0, 4)]  # d[2] replicates d[0]
+    assert device_spans(Sharding({d[0]: (slice(None), slice(0, 2))}), (4, 4)) is None  # not a row range
+    real = iter_jax_batches(blocks([8]), batch_size=8)._feeder.sharding  # over every CPU device
+    got = device_spans(real, (8, 3))
+    assert [(a, b) for _, a, b in got] == [(2 * i, 2 * i + 2) for i in range(len(jax.devices()))]
+
+
+@pytest.mark.parametrize("ragged", ["pad", "drop", "keep"])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(pipeline="sync"),
+        dict(pipeline="thread"),
+        dict(pipeline="thread", transfer_threads=3),
+        dict(pipeline="sync", transfer_threads=0),
+    ],
+)
+def test_the_device_join_yields_the_host_join_s_batches(ragged, kw):
+    sizes = [8] * 8 + ([3, 1] if ragged == "keep" else [5, 1])  # uniform blocks, then a tail of 8 or 10 rows
+    base = FeederOptions(batch_size=12, ragged=ragged, **kw)
+    want, _ = _all(iter_jax_batches(blocks(sizes), options=base.replace(assemble="host")))
+    got, it = _all(iter_jax_batches(blocks(sizes), options=base.replace(assemble="device")))
+    _same(got, want)
+    t = it._feeder._transfers
+    assert it._feeder.assemble == "device" and t.device_joins > 0  # the device path was taken
+    assert it.state()["finished"]
+
+
+def test_a_device_joined_array_has_the_host_join_s_sharding_and_shards():
+    src = blocks([6, 10, 16], width=4)
+    a = next(iter_jax_batches(src, batch_size=32, assemble="device", transfer_threads=4))
+    b = next(iter_jax_batches(src, batch_size=32, assemble="host"))
+    for k in ("id", "x"):
+        assert a[k].sharding == b[k].sharding
+        assert [(s.device, s.index) for s in a[k].addressable_shards] == [
+            (s.device, s.index) for s in b[k].addressable_shards
+        ]
+        for sa, sb in zip(a[k].addressable_shards, b[k].addressable_shards):
+            np.testing.assert_array_equal(np.asarray(sa.data), np.asarray(sb.data))
+
+
+def test_a_device_joined_stream_resumes_exactly():
+    sizes = [7] * 12  # 84 rows: every batch of 8 but a few spans two blocks
+    it = iter_jax_batches(blocks(sizes), batch_size=8, assemble="device", ragged="keep")
+    first = [np.asarray(next(it)["id"]) for _ in range(4)]
+    state = it.state()
+    it.close()
+    rest = [
+        np.asarray(b["id"])
+        for b in iter_jax_batches(blocks(sizes), batch_size=8, assemble="device", state=state, ragged="keep")
+    ]
+    np.testing.assert_array_equal(np.concatenate(first + rest), np.arange(84))
+
+
+def test_columns_that_host_work_reads_are_joined_on_the_host_first():
+    src = blocks([8] * 6)  # 48 rows, batches of 12: every other batch spans two blocks
+    for kw in (
+        dict(dtypes={"id": np.int16}),  # a cast: checked and done on the host
+        dict(collate_fn=lambda b: {"id": b["id"] * 2, "x": b["x"] + 1}),
+        dict(host_columns=["id"]),
+    ):
+        want, _ = _all(iter_jax_batches(src, batch_size=12, assemble="host", **kw))
+        got, it = _all(iter_jax_batches(src, batch_size=12, assemble="device", **kw))
+        _same(got, want)
+        joins = it._feeder._transfers.device_joins
+        assert joins == (0 if "collate_fn" in kw else 2), kw  # "x" of the 2 batches from their 2nd
+
+
+def test_a_stream_compiles_only_layouts_that_recur():
+    uniform = iter_jax_batches(blocks([8] * 24), batch_size=12, assemble="device", pipeline="sync")
+    _all(uniform)
+    layouts = uniform._feeder._transfers.layouts
+    assert layouts.compiled == 4 and layouts.refused == 4  # 2 layouts (8+4, 4+8 rows) x 2 columns, 1st on the host
+    # Block ends at 40k + 1, 12, 23, 34, 5, 16, 27, 38, 9, 30: each batch of 40 rows (10 per device)
+    # is cut once, on another device or at another row of it (no layout recurs), the last one
+    # between two devices' rows (each device takes one piece: nothing to join there).
+    sizes = [1, 51, 51, 51, 11, 51, 51, 51, 11, 61, 10]
+    uneven = iter_jax_batches(blocks(sizes), batch_size=40, assemble="device", ragged="drop")
+    want, _ = _all(iter_jax_batches(blocks(sizes), batch_size=40, ragged="drop"))
+    got, _ = _all(uneven)
+    _same(got, want)
+    t = uneven._feeder._transfers
+    assert t.layouts.compiled == 0 and t.layouts.refused > 0  # no layout recurs: joined on the host, nothing compiled
+    assert t.device_joins == 2  # the last batch's 2 columns: no join to compile
+
+
+def test_assemble_choices_and_their_checks():
+    assert _assembly("auto", "tpu", pinned=False) == "device" and _assembly("auto", "gpu", pinned=False) == "device"
+    assert _assembly("auto", "cpu", pinned=False) == "host" and _assembly("auto", "tpu", pinned=True) == "host"
+    assert _assembly("host", "tpu", pinned=False) == "host" and _assembly("device", "cpu", pinned=False) == "device"
+    assert iter_jax_batches(blocks([4]), batch_size=4)._feeder.assemble == "host"  # CPU devices: aliased, no copy
+    with pytest.raises(InvalidArgument, match=r"assemble='gpu' is not valid: expected one of"):
+        FeederOptions(assemble="gpu")
+    with pytest.raises(InvalidArgument, match=r"assemble='device' is not valid: .*staging='pinned'"):
+        iter_jax_batches(blocks([4]), batch_size=4, assemble="device", staging="pinned")
+
+
+def test_pieces_of_ray_s_store_register_it_for_dma_as_views_do():
+    # Ray's object store stood in for by a shared mapping, "registered" by a fake cudaHostRegister.
+    import mmap
+
+    from rayslice.data._storepin import StorePinning
+    from rayslice.data._transfer import Transfers
+
+    sharding = iter_jax_batches(blocks([8]), batch_size=8)._feeder.sharding  # 4 CPU devices, 2 rows each
+    store = StorePinning(register=lambda address, size, device: None, accept=lambda m, maps: m.shared)
+    t = Transfers(sharding, store=store)
+    mm = mmap.mmap(-1, 1 << 16, flags=mmap.MAP_SHARED)
+    x = np.frombuffer(mm, dtype=np.float32)[:32].reshape(8, 4)
+    x[:] = np.arange(32).reshape(8, 4)
+    out = t.put({"x": Pieces([x[:4], x[4:]])}, 8)  # cut between devices: each device one piece
+    assert store.registered and t.device_joins == 1
+    np.testing.assert_array_equal(np.asarray(out["x"]), x)
+    t.close()
