@@ -33,8 +33,15 @@ def _consume(shard, batch_size: int, ragged: str, assemble: str = "auto") -> dic
             ids.extend(np.asarray(full).tolist())
     except RaggedBatchError as e:
         error = str(e)
-    joins = it._feeder._transfers.device_joins
-    return {"rank": jax.process_index(), "shapes": shapes, "ids": ids, "error": error, "device_joins": joins}
+    t = it._feeder._transfers
+    return {
+        "rank": jax.process_index(),
+        "shapes": shapes,
+        "ids": ids,
+        "error": error,
+        "device_joins": t.device_joins,
+        "compiled": t.layouts.compiled,
+    }
 
 
 def _run(per_host_sources, batch_size, ragged, assemble="auto"):
@@ -75,22 +82,24 @@ def _host_rows(n0: int, n1: int, block: int | None = None):
 
 @pytest.mark.parametrize("ragged", ["raise", "drop", "pad"])
 def test_uneven_hosts_never_hang_and_agree(ray_cluster, ragged):
-    # host 0 has 20 rows, host 1 has 9: host 1 runs out at step 1 (batch 8). In blocks of 4
-    # rows, joined on the devices: each global batch built from both processes' pieces.
-    out = _run(_host_rows(20, 9, block=4), batch_size=8, ragged=ragged, assemble="device")
+    # host 0 has 42 rows, host 1 has 25: host 1 runs out at step 2 (batch 12). In blocks of 4
+    # rows joined on the devices (3 rows each): every full batch is cut at rows 4 and 8, inside
+    # two devices' rows, so at step 1 (the layout's second sighting) each host joins its pieces
+    # there with the jitted concatenate, into global arrays that span both processes.
+    out = _run(_host_rows(42, 25, block=4), batch_size=12, ragged=ragged, assemble="device")
     a, b = out
     assert a["shapes"] == b["shapes"]
-    assert a["device_joins"] >= 1 and b["device_joins"] >= 1
     if ragged == "raise":
-        assert len(a["shapes"]) == 1
-        assert a["error"] == b["error"] and "host 0: 8, host 1: 1 row(s) left for batch_size 8" in a["error"]
+        assert len(a["shapes"]) == 2
+        assert a["error"] == b["error"] and "host 0: 12, host 1: 1 row(s) left for batch_size 12" in a["error"]
     elif ragged == "drop":
-        assert len(a["shapes"]) == 1 and a["error"] is None
-        assert sorted(a["ids"]) == list(range(8)) + list(range(1000, 1008))
+        assert len(a["shapes"]) == 2 and a["error"] is None
+        assert sorted(a["ids"]) == list(range(24)) + list(range(1000, 1024))
     else:
-        # pad runs until every host is empty: 3 steps (host 0 needs them), host 1 pads.
-        assert len(a["shapes"]) == 3 and a["error"] is None
-        assert sorted(a["ids"]) == list(range(20)) + list(range(1000, 1009))
+        # pad runs until every host is empty: 4 steps (host 0 needs them), host 1 pads.
+        assert len(a["shapes"]) == 4 and a["error"] is None
+        assert sorted(a["ids"]) == list(range(42)) + list(range(1000, 1025))
+    assert a["compiled"] == b["compiled"] == 1 and a["device_joins"] == b["device_joins"] == 1
 
 
 def test_pad_with_an_empty_host(ray_cluster):

@@ -8,22 +8,24 @@ A batch that spans several source blocks can reach the devices two ways:
   as it is (a view of the block: no host copy), then the pieces concatenated
   on the device by a jitted ``concatenate`` (:func:`join_on_device`).
 
-On an accelerator the second moves every byte through host memory once
+On an accelerator the second reads every byte from host memory once
 instead of three times (read the block, write the buffer, read the buffer
-for the transfer). Measured on a TPU v5e host (docs/performance.md, *TPU
-host*), 8k-row blocks into 8-32 MB batches: joined on the host 6.6-8.0 GB/s,
-joined on the device 13.5-13.8 GB/s, the same as one ``device_put`` of a
-contiguous batch (13.6). On the CPU platform a 64-byte-aligned staging
-buffer is aliased by the device array, not copied, so the host join is
-already the one copy; there the device join only adds one.
+for the transfer; JAX's own host-side conversions, such as int64 to int32
+without x64, aside). Measured on a TPU v5e host (docs/performance.md, *TPU
+host*), 8k-row blocks into 8-32 MB batches in the feeder: joined on the host
+4.7-5.3 GB/s, joined on the device 11.6-13.6 GB/s, 0.90-1.01 of the fastest
+``device_put`` of a contiguous batch. On the CPU platform a 64-byte-aligned
+staging buffer is aliased by the device array, not copied, so the host join
+is already the one copy; there the device join only adds one.
 
-Each distinct layout (piece lengths, per device) is one compilation of the
-join (0.1-0.3 s on that TPU host), so a stream compiles only layouts that
-recur, at most ``MAX_LAYOUTS`` (:class:`Layouts`); other batches are joined
-on the host. Uniform blocks give one or a few layouts, joined on the device
-from their second batch on; blocks whose size is unrelated to the batch
-size (files of any length) cut every batch at another place: joined on the
-host, as before, with nothing compiled.
+Every column in pieces of one batch is cut at the same rows; each distinct
+cut (piece lengths per device: the batch's layout) costs one compilation of
+the join per column kind and device (0.15-0.75 s on that TPU host), so a
+stream joins on the device only layouts that recur, at most ``MAX_LAYOUTS``
+(:class:`Layouts`); other batches are joined on the host. Uniform blocks give
+one or a few layouts, joined on the device from their second batch on;
+blocks whose size is unrelated to the batch size (files of any length) cut
+every batch at another place: joined on the host, with nothing compiled.
 
 Example:
     >>> import numpy as np
@@ -44,7 +46,7 @@ from typing import Any
 
 import numpy as np
 
-#: Distinct join layouts (piece lengths per device) one stream compiles; further ones join on the host.
+#: Distinct batch layouts (piece lengths per device) one stream joins on the device; further ones join on the host.
 MAX_LAYOUTS = 16
 
 
@@ -103,6 +105,8 @@ class Pieces:
         return buf
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        if copy is False:
+            raise ValueError("a column in pieces has no array without a copy (join it)")
         out = self.join(np.empty)
         return out if dtype is None else out.astype(dtype, copy=False)
 
@@ -153,7 +157,7 @@ class Layouts:
     for at least ``1/limit`` of the batches so far, while fewer than ``limit``
     are compiled: uniform blocks compile one or a few layouts from the second
     batch on; a batch size unrelated to the block size, whose layouts rarely
-    repeat, compiles none (each compilation costs ~0.1-0.3 s on a TPU v5e).
+    repeat, compiles none (each compilation costs 0.15-0.75 s on a TPU v5e host).
 
     Example:
         >>> seen = Layouts(limit=2)

@@ -97,7 +97,8 @@ class StagingRing:
         self.allocated = 0  # fresh buffers made (for tests and benchmarks)
 
     def alloc(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-        pool = self._pools.setdefault((tuple(shape), np.dtype(dtype).str), [])
+        # Keyed by the dtype itself: ml_dtypes' float8/int4 kinds share one dtype.str ('<V1').
+        pool = self._pools.setdefault((tuple(shape), np.dtype(dtype)), [])
         for i, e in enumerate(pool):  # oldest first
             if not e.lent and _done(e.guard):
                 e.lent, e.guard = True, None
@@ -115,7 +116,7 @@ class StagingRing:
     def seal(self, batch: Mapping[str, np.ndarray], guards: Mapping[str, Any]) -> None:
         """Marks the buffers of ``batch`` as read by ``guards[column]`` (a transfer, or None when done)."""
         for k, a in batch.items():
-            pool = self._pools.get((a.shape, a.dtype.str))
+            pool = self._pools.get((a.shape, a.dtype))
             if not pool:
                 continue
             for e in pool:
@@ -174,7 +175,7 @@ class AliasPool:
         shape = tuple(shape)
         if dtype.hasobject:
             return aligned_empty(shape, dtype)
-        pool = self._pools.setdefault((shape, dtype.str), [])
+        pool = self._pools.setdefault((shape, dtype), [])
         free = self._free(pool)
         if free is None and pool:
             # JAX drops its references to the host buffers of freed arrays in batches (at the next

@@ -104,7 +104,7 @@ class Transfers:
         self.threads = threads if process_count == 1 and len(self.local) > 1 else 0
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="rayslice-h2d") if self.threads else None
         self._index_maps: dict[tuple, list] = {}
-        self._spans: dict[tuple, Any] = {}
+        self._spans: dict[int, Any] = {}
         self.layouts = Layouts()
         self.device_joins = 0  # columns joined on the devices (for tests and benchmarks)
 
@@ -168,57 +168,59 @@ class Transfers:
         out = {k: jax.make_array_from_process_local_data(target, v, shape0 + v.shape[1:]) for k, v in dev.items()}
         return jax.device_put(out, self.sharding) if pinned is not None else out
 
-    def _device_parts(self, col: Pieces, rows: int) -> list[tuple[Any, list[np.ndarray]]] | None:
-        """Each local device's pieces of ``col``, or None to join it on the host (see :meth:`put`)."""
+    def _admitted_spans(self, col: Pieces, rows: int) -> list[tuple[Any, int, int]] | None:
+        """Each local device's rows of a batch whose columns are in pieces cut like ``col``, or
+        None to join the batch on the host (a layout that does not recur, see :class:`Layouts`)."""
         if self.store is not None:  # pieces of Ray's store: registered for DMA on first sight, as views are
             self._in_store(col.parts[0])
-        shape = (rows * self.process_count, *col.shape[1:])
-        if shape not in self._spans:
-            self._spans[shape] = device_spans(self.sharding, shape)
-        spans = self._spans[shape]
+        if rows not in self._spans:  # the batch dimension alone is split
+            self._spans[rows] = device_spans(self.sharding, (rows * self.process_count,))
+        spans = self._spans[rows]
         if spans is None:
             return None
-        parts = [(d, col.rows(a, b)) for d, a, b in spans]
-        key = tuple((d.id, tuple(len(p) for p in ps)) for d, ps in parts if len(ps) > 1)
-        if key and not self.layouts.admit((key, col.dtype.str, col.shape[1:])):
+        # Every Pieces column of a batch is cut at the same rows: one layout per batch.
+        key = tuple((d.id, lengths) for d, a, b in spans if len(lengths := tuple(len(p) for p in col.rows(a, b))) > 1)
+        if key and not self.layouts.admit(key):
             return None
-        return parts
+        return spans
 
-    def _join_on_devices(self, col: Pieces, rows: int, parts: list[tuple[Any, list[np.ndarray]]]) -> Any:
+    def _join_on_devices(self, cols: dict[str, Pieces], rows: int, spans: list[tuple[Any, int, int]]) -> dict:
+        """Global arrays of ``cols``: each device's pieces transferred and joined there (every job issued first)."""
         import jax
 
-        if self._pool is not None:
-            futures = [self._pool.submit(join_on_device, ps, d) for d, ps in parts]
-            arrays = [f.result() for f in futures]
-        else:
-            arrays = [join_on_device(ps, d) for d, ps in parts]
-        self.device_joins += 1
-        return jax.make_array_from_single_device_arrays(
-            (rows * self.process_count, *col.shape[1:]), self.sharding, arrays
-        )
+        jobs: dict[str, list[Any]] = {}
+        for k, col in cols.items():
+            if self._pool is not None:
+                jobs[k] = [self._pool.submit(join_on_device, col.rows(a, b), d) for d, a, b in spans]
+            else:
+                jobs[k] = [join_on_device(col.rows(a, b), d) for d, a, b in spans]
+        out = {}
+        for k, col in cols.items():
+            arrays = [f.result() for f in jobs[k]] if self._pool is not None else jobs[k]
+            out[k] = jax.make_array_from_single_device_arrays(
+                (rows * self.process_count, *col.shape[1:]), self.sharding, arrays
+            )
+        self.device_joins += len(cols)
+        return out
 
     def put(self, dev: Batch, rows: int) -> dict[str, Any]:
         """Global arrays of this host's ``rows``-row batch ``dev`` (device columns only).
 
         A staging buffer the batch was assembled in is lent again once the
-        transfer that reads it is done. A :class:`Pieces` column is joined on
-        the devices, or on the host where its layout is past the budget.
+        transfer that reads it is done. :class:`Pieces` columns are joined on
+        the devices, or on the host where their layout does not recur.
         """
-        joined: dict[str, Any] = {}
-        if any(isinstance(v, Pieces) for v in dev.values()):
+        pieces: dict[str, Pieces] = {k: v for k, v in dev.items() if isinstance(v, Pieces)}  # type: ignore[misc]
+        if not pieces:
+            return self._put_plain(dev, rows)
+        spans = self._admitted_spans(next(iter(pieces.values())), rows)
+        if spans is None:
             alloc = self.ring.alloc if self.ring is not None else aligned_empty
-            plain = {}
-            for k, v in dev.items():
-                parts = self._device_parts(v, rows) if isinstance(v, Pieces) else None
-                if parts is not None:
-                    joined[k] = self._join_on_devices(v, rows, parts)
-                else:
-                    plain[k] = v.join(alloc) if isinstance(v, Pieces) else v
-            if not plain:
-                return {k: joined[k] for k in dev}
-            out = self._put_plain(plain, rows)
-            return {k: joined[k] if k in joined else out[k] for k in dev}
-        return self._put_plain(dev, rows)
+            return self._put_plain({k: v.join(alloc) if isinstance(v, Pieces) else v for k, v in dev.items()}, rows)
+        joined = self._join_on_devices(pieces, rows, spans)
+        rest = {k: v for k, v in dev.items() if k not in joined}
+        out = self._put_plain(rest, rows) if rest else {}
+        return {k: joined[k] if k in joined else out[k] for k in dev}
 
     def _put_plain(self, dev: Batch, rows: int) -> dict[str, Any]:
         """:meth:`put` of numpy columns."""

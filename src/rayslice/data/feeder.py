@@ -4,8 +4,8 @@ Each host reads its own rows (``batch_size`` per host per step), casts them on
 the host, and assembles one global ``jax.Array`` of ``batch_size x
 process_count`` rows sharded along the batch dimension. A batch inside one
 Ray block is a zero-copy view of the object store; one spanning blocks is
-written piece by piece into a staging buffer, or on accelerators sent piece
-by piece and joined on the device (``assemble``). On accelerators the batch
+written piece by piece into a staging buffer, or on TPUs sent piece by
+piece and joined on the device (``assemble``). On accelerators the batch
 reaches the devices asynchronously (in parallel per device): on CUDA devices
 a view of Ray's object store by DMA as it is (the store is registered with
 CUDA once per process), anything else by ``device_put`` from host memory
@@ -83,18 +83,20 @@ def _reuses_staging(platform: str) -> bool:
 def _assembly(choice: str, platform: str, pinned: bool) -> str:
     """Where a batch spanning source blocks is joined: ``"device"`` or ``"host"`` (``FeederOptions.assemble``).
 
-    ``"auto"`` joins on the device on accelerators (one host copy fewer; on a TPU
-    v5e host the full ``device_put`` rate against a third of it), on the host on
-    CPU devices (an aligned staging buffer is aliased there, not copied) and
-    when staging through pinned memory (the batch is staged whole).
+    ``"auto"`` joins on the device on TPUs, where it was measured (one host copy
+    fewer: 0.90-1.01 of the fastest ``device_put`` on a TPU v5e host, against
+    0.36-0.39 joined on the host), and on the host elsewhere: on CPU devices an
+    aligned staging buffer is aliased, not copied; on GPUs the device join is
+    not measured yet (``bench_data.py --gpu`` compares both); and a batch
+    staged through pinned memory is staged whole.
 
     Example:
-        >>> _assembly("auto", "tpu", False), _assembly("auto", "cpu", False), _assembly("auto", "gpu", True)
+        >>> _assembly("auto", "tpu", False), _assembly("auto", "cpu", False), _assembly("auto", "tpu", True)
         ('device', 'host', 'host')
     """
     if choice != "auto":
         return choice
-    return "device" if platform != "cpu" and not pinned else "host"
+    return "device" if platform == "tpu" and not pinned else "host"
 
 
 class _Feeder:
@@ -575,8 +577,8 @@ def iter_jax_batches(
             store by DMA from the registered store; otherwise as
             ``"pageable"``), ``"pinned"`` or ``"pageable"``.
         assemble: Where a batch spanning several source blocks is joined:
-            ``"auto"`` (default: on the device on accelerators, on the host on
-            CPU devices), ``"device"`` or ``"host"``.
+            ``"auto"`` (default: on the device on TPUs, on the host elsewhere),
+            ``"device"`` or ``"host"``.
         transfer_threads: Threads issuing per-device transfers in parallel
             (default: one per local accelerator when there are several).
         dtypes: One dtype for every device column (as Ray), or ``{column: dtype}``.

@@ -192,15 +192,16 @@ class FeederOptions:
             copies numpy into ``pinned_host`` memory at 0.2-0.5 GB/s).
         assemble: Where a batch that spans several source blocks is joined:
             ``"host"`` (each block's rows written into one staging buffer, then
-            one transfer), ``"device"`` (each block's piece transferred as it
-            is, then joined on the device: one host copy fewer; a stream
-            compiles at most 16 piece layouts, further ones join on the host)
-            or ``"auto"`` (default: ``"device"`` on accelerators, where it
-            reached the full ``device_put`` rate on a TPU v5e host against
-            half of it joined on the host; ``"host"`` on the CPU platform,
-            where an aligned staging buffer is aliased, not copied). Columns
-            that ``collate_fn``, a cast or ``host_columns`` work on are joined
-            on the host.
+            one transfer), ``"device"`` (each device's rows of each block
+            transferred as they are, then joined on the device: one host copy
+            fewer; only piece layouts that recur are compiled, at most 16 per
+            stream, other batches are joined on the host) or ``"auto"``
+            (default: ``"device"`` on TPUs, where it reached the full
+            ``device_put`` rate on a TPU v5e host against about a third of it
+            joined on the host; ``"host"`` elsewhere: on CPU devices an aligned
+            staging buffer is aliased, not copied, and on GPUs the device join
+            is not measured yet). Columns that ``collate_fn``, a cast or
+            ``host_columns`` work on are joined on the host.
         transfer_threads: Threads issuing per-device transfers in parallel
             (0: every device's transfer from the feeder's own thread; None,
             the default: one per local device, at most 8, on accelerators
