@@ -13,7 +13,7 @@ instead of three times (read the block, write the buffer, read the buffer
 for the transfer; JAX's own host-side conversions, such as int64 to int32
 without x64, aside). Measured on a TPU v5e host (docs/performance.md, *TPU
 host*), 8k-row blocks into 8-32 MB batches in the feeder: joined on the host
-4.7-5.3 GB/s, joined on the device 11.6-13.6 GB/s, 0.90-1.01 of the fastest
+4.7-5.3 GB/s, joined on the device 10.7-13.6 GB/s, 0.84-1.01 of the fastest
 ``device_put`` of a contiguous batch. On the CPU platform a 64-byte-aligned
 staging buffer is aliased by the device array, not copied, so the host join
 is already the one copy; there the device join only adds one.

@@ -84,7 +84,7 @@ def _assembly(choice: str, platform: str, pinned: bool) -> str:
     """Where a batch spanning source blocks is joined: ``"device"`` or ``"host"`` (``FeederOptions.assemble``).
 
     ``"auto"`` joins on the device on TPUs, where it was measured (one host copy
-    fewer: 0.90-1.01 of the fastest ``device_put`` on a TPU v5e host, against
+    fewer: 0.84-1.01 of the fastest ``device_put`` on a TPU v5e host, against
     0.36-0.39 joined on the host), and on the host elsewhere: on CPU devices an
     aligned staging buffer is aliased, not copied; on GPUs the device join is
     not measured yet (``bench_data.py --gpu`` compares both); and a batch
