@@ -17,14 +17,7 @@ from rayslice.data._rebatch import host_batches
 from rayslice.data.feeder import _assembly
 from rayslice.errors import InvalidArgument
 
-
-def blocks(sizes, width=3):
-    out, start = [], 0
-    for n in sizes:
-        ids = np.arange(start, start + n, dtype=np.int64)
-        out.append({"id": ids, "x": np.repeat(ids[:, None], width, axis=1).astype(np.float32)})
-        start += n
-    return out
+from .test_data_staging import blocks  # consecutive ids in blocks of the given sizes
 
 
 def _all(it):
