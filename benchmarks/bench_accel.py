@@ -64,6 +64,7 @@ from bench_data import (
     GPU_GOAL_VS_PINNED,
     REBATCH_ROWS,
     _ahead,
+    _dry_run_sizes,
     _gbps,
     _h2d,
     _in_flight,
@@ -102,8 +103,7 @@ def run(
 ) -> dict[str, Any]:
     """Limits, the feeder's settings and a fed step on this host's first accelerator (see the module docstring)."""
     if dry_run:
-        os.environ["JAX_PLATFORMS"] = "cpu"
-        rows, sizes_mb, repeats = min(rows, 65536), (1, 2), min(repeats, 2)
+        rows, sizes_mb, repeats = _dry_run_sizes(rows, repeats)
     import jax
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec

@@ -429,6 +429,12 @@ def _training_step(
     return _stepper(width, sharding, layers), layers
 
 
+def _dry_run_sizes(rows: int, repeats: int) -> tuple[int, tuple[int, ...], int]:
+    """A dry run's ``(rows, sizes_mb, repeats)``, on CPU devices (a test of an accelerator script)."""
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    return min(rows, 65536), (1, 2), min(repeats, 2)
+
+
 def run_gpu(
     dry_run: bool = False,
     rows: int = 2_000_000,
@@ -457,8 +463,7 @@ def run_gpu(
     returns ``{"skipped": ...}`` and measures nothing.
     """
     if dry_run:
-        os.environ["JAX_PLATFORMS"] = "cpu"
-        rows, sizes_mb, repeats = min(rows, 65536), (1, 2), min(repeats, 2)
+        rows, sizes_mb, repeats = _dry_run_sizes(rows, repeats)
     elif not (os.path.exists("/dev/nvidiactl") or os.path.exists("/proc/driver/nvidia")):
         return {
             "skipped": "no GPU: no NVIDIA driver on this host (/dev/nvidiactl); --gpu --dry-run runs "

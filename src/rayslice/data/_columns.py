@@ -102,6 +102,13 @@ def _checked_astype(name: str, v: np.ndarray, dtype: np.dtype) -> np.ndarray:
     return out
 
 
+def cast_target(dtypes: Any, column: str, host_columns: Sequence[str]) -> np.dtype | None:
+    """The dtype :func:`cast` gives ``column``, or None to leave it as it is."""
+    if isinstance(dtypes, Mapping):
+        return dtypes.get(column)
+    return None if dtypes is None or column in host_columns else dtypes
+
+
 def cast(batch: Batch, dtypes: Any, host_columns: Sequence[str]) -> Batch:
     """Casts device columns: one dtype for all of them (as Ray does), or ``{column: dtype}``."""
     if dtypes is None:
@@ -114,8 +121,11 @@ def cast(batch: Batch, dtypes: Any, host_columns: Sequence[str]) -> Batch:
             raise fail(
                 "dtypes", dict(dtypes), f"dtypes for columns of the data {sorted(batch)}; unknown: {sorted(unknown)}"
             )
-        return {k: (_checked_astype(k, v, dtypes[k]) if k in dtypes else v) for k, v in batch.items()}
-    return {k: (v if k in host_columns else _checked_astype(k, v, dtypes)) for k, v in batch.items()}
+    out = {}
+    for k, v in batch.items():
+        want = cast_target(dtypes, k, host_columns)
+        out[k] = v if want is None else _checked_astype(k, v, want)
+    return out
 
 
 def schema_of(batch: Batch) -> Schema:

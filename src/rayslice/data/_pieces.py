@@ -50,6 +50,15 @@ import numpy as np
 MAX_LAYOUTS = 16
 
 
+def write_rows(buf: np.ndarray, parts: Sequence[np.ndarray]) -> np.ndarray:
+    """``buf`` with ``parts``' rows written into it one after another (a host join, no concatenate)."""
+    at = 0
+    for p in parts:
+        buf[at : at + len(p)] = p
+        at += len(p)
+    return buf
+
+
 class Pieces:
     """One column of a host batch kept as its consecutive source pieces (row ranges of source blocks).
 
@@ -97,12 +106,7 @@ class Pieces:
 
     def join(self, alloc: Callable[[tuple[int, ...], np.dtype], np.ndarray]) -> np.ndarray:
         """The column as one array: each piece written into a buffer from ``alloc``."""
-        buf = alloc(self.shape, self.dtype)
-        at = 0
-        for p in self.parts:
-            buf[at : at + len(p)] = p
-            at += len(p)
-        return buf
+        return write_rows(alloc(self.shape, self.dtype), self.parts)
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         if copy is False:

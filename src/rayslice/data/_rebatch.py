@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from rayslice.data._pieces import Pieces
+from rayslice.data._pieces import Pieces, write_rows
 from rayslice.data.options import on_device
 
 Batch = dict[str, np.ndarray]
@@ -128,13 +128,7 @@ def _assemble(parts: list[Batch], rows: int, alloc: Alloc, lazy: bool = False) -
         if lazy and on_device(dtype) and all(p[k].dtype == dtype for p in parts):
             out[k] = Pieces([p[k] for p in parts])  # type: ignore[assignment]  # joined on the device
             continue
-        buf = alloc((rows, *v0.shape[1:]), dtype)
-        at = 0
-        for p in parts:
-            n = len(p[k])
-            buf[at : at + n] = p[k]
-            at += n
-        out[k] = buf
+        out[k] = write_rows(alloc((rows, *v0.shape[1:]), dtype), [p[k] for p in parts])
     return out
 
 

@@ -166,8 +166,9 @@ class _Feeder:
         )
         # CPU devices alias host memory (a batch on device costs no device memory), so the
         # consumer's next() transfers a few batches at once; elsewhere one at a time.
-        single = self.process_count == 1 and self.transfer_threads == 0 and self.pinned is None
-        single = single and self.assemble == "host"
+        single = (
+            self.process_count == 1 and self.transfer_threads == 0 and self.pinned is None and self.assemble == "host"
+        )
         self._group = GROUP_MAX_BATCHES if single and self.platform == "cpu" and self.pipeline == "sync" else 1
         self._deferred: Exception | None = None  # a source error raised once the batches before it are out
         self._gen = self._generate()
@@ -222,8 +223,8 @@ class _Feeder:
         def on_host(k: str, v: Pieces) -> bool:
             if o.collate_fn is not None or k in self.host_columns:
                 return True
-            want = o.dtypes.get(k) if isinstance(o.dtypes, Mapping) else o.dtypes
-            return want is not None and np.dtype(want) != v.dtype
+            want = cols.cast_target(o.dtypes, k, o.host_columns)
+            return want is not None and want != v.dtype
 
         return {k: v.join(self._alloc) if isinstance(v, Pieces) and on_host(k, v) else v for k, v in local.items()}
 
