@@ -21,13 +21,18 @@ GB/s from the first batch on:
   is joined on the device), ``rayslice_blocks_host`` (the same, joined in a
   staging buffer on the host: ``assemble="host"``), ``rayslice_uneven``
   (defaults, from 10,000-row blocks, which cut every batch at another place:
-  no join layout recurs, so those are joined on the host). ``staging="pinned"``
+  no join layout recurs, and most chunks of a grid would cross a block's end,
+  so those are joined on the host), ``rayslice_large`` (defaults, from
+  100,000-row blocks, larger than a batch: a batch across a block's end is
+  joined on a grid of equal chunks) and ``rayslice_large_host`` (the same,
+  ``assemble="host"``). ``staging="pinned"``
   is left out: ``to_pinned`` and ``pinned`` are its two halves (on a TPU v5e
   host the feeder ran at 0.21-0.25 GB/s that way). The first (warm-up) pass
   of each, which compiles the device joins, is reported apart (``warm_up_pass_ms``);
 * ratios per round: ``vs_best``, ``vs_pinned``, ``vs_pageable`` (rayslice's
-  defaults), ``blocks_vs_best``, ``blocks_host_vs_best``, ``uneven_vs_best`` and
-  ``best_feeder_vs_best`` (the feeder's fastest setting).
+  defaults), ``blocks_vs_best``, ``blocks_host_vs_best``, ``uneven_vs_best``,
+  ``large_vs_best``, ``large_host_vs_best`` and ``best_feeder_vs_best`` (the
+  feeder's fastest setting).
 
 Then a ~5 ms jitted step on data already on the device (``resident``) and fed:
 by the feeder (its defaults, ``pipeline="sync"``, and from 8k-row blocks joined
@@ -125,6 +130,9 @@ def run(
     # Blocks whose size is unrelated to the batch's: every batch cuts them at another place, so a
     # stream meets more join layouts than it compiles (the rest are joined on the host).
     uneven = [{"data": src[i : i + UNEVEN_ROWS]} for i in range(0, rows, UNEVEN_ROWS)]
+    # Blocks larger than any batch here, of a size unrelated to it (as Ray Data's blocks of up to
+    # 128 MB often are): a batch across a block's end is joined on a grid of equal chunks.
+    large = [{"data": src[i : i + LARGE_ROWS]} for i in range(0, rows, LARGE_ROWS)]
     row_bytes = width * 4
     result: dict[str, Any] = {
         "device": str(getattr(dev, "device_kind", dev.platform)),
@@ -158,6 +166,8 @@ def run(
             "rayslice_blocks": feeder(blocks, bs),
             "rayslice_blocks_host": feeder(blocks, bs, assemble="host"),
             "rayslice_uneven": feeder(uneven, bs),
+            "rayslice_large": feeder(large, bs),
+            "rayslice_large_host": feeder(large, bs, assemble="host"),
         }
         # Warm-up: pages in, and compiles the device joins of the block sources (reported).
         warm_up = {name: 1e3 * _time(fn, n) for name, fn in methods.items()}
@@ -177,6 +187,8 @@ def run(
         entry["blocks_vs_best"] = _spread([a / b for a, b in zip(per["rayslice_blocks"], best)])
         entry["blocks_host_vs_best"] = _spread([a / b for a, b in zip(per["rayslice_blocks_host"], best)])
         entry["uneven_vs_best"] = _spread([a / b for a, b in zip(per["rayslice_uneven"], best)])
+        entry["large_vs_best"] = _spread([a / b for a, b in zip(per["rayslice_large"], best)])
+        entry["large_host_vs_best"] = _spread([a / b for a, b in zip(per["rayslice_large_host"], best)])
         entry["best_feeder_vs_best"] = _spread([a / b for a, b in zip(feeders, best)])
         for ref in ("pinned", "pageable"):
             if ref in per:
@@ -217,6 +229,7 @@ def run(
 
 STEP_METHODS = ("rayslice", "rayslice_sync", "rayslice_blocks", "rayslice_blocks_host", "plain_thread", "one_ahead")
 UNEVEN_ROWS = 10_000  # rows per block of the uneven source (not a divisor of any batch size here)
+LARGE_ROWS = 100_000  # rows per block of the large source (51 MB: larger than any batch here, not a multiple)
 
 
 def _plain_thread(jax: Any, views: list[Any], sharding: Any, depth: int = 2) -> Iterable[Any]:
@@ -250,6 +263,8 @@ def _print(r: dict[str, Any]) -> None:
         "blocks_vs_best",
         "blocks_host_vs_best",
         "uneven_vs_best",
+        "large_vs_best",
+        "large_host_vs_best",
         "best_feeder_vs_best",
         "vs_pinned",
         "vs_pageable",

@@ -226,3 +226,54 @@ def test_staging_buffers_of_dtypes_with_one_byte_string_are_never_confused():
     first = pool.alloc((4,), a)
     del first
     assert pool.alloc((4,), b).dtype == b
+
+
+def _grid_stream(sizes, batch_size, grid_bytes, **kw):
+    it = iter_jax_batches(blocks(sizes, width=4), batch_size=batch_size, assemble="device", ragged="drop", **kw)
+    it._feeder._transfers.grid_bytes = grid_bytes  # before the first batch: the test's rows are small
+    return it
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [dict(pipeline="sync"), dict(pipeline="thread", transfer_threads=3), dict(pipeline="sync", transfer_threads=0)],
+)
+def test_blocks_larger_than_the_batch_join_on_a_grid_once_no_layout_recurs(kw):
+    # Blocks of 151-383 rows, batches of 128 (32 rows per device): 9 batches span two blocks, each cut
+    # at another row (no layout recurs), inside one chunk of one device's rows: 8 chunks of 4 rows of
+    # "x" (4 float32, 16 bytes a row), 4 of 8 rows of "id" (8 bytes a row), at least 64 bytes each.
+    sizes = [367, 163, 190, 206, 190, 364, 383, 303, 151, 166]
+    want, _ = _all(iter_jax_batches(blocks(sizes, width=4), batch_size=128, assemble="host", ragged="drop"))
+    got, it = _all(_grid_stream(sizes, 128, grid_bytes=64, **kw))
+    _same(got, want)
+    t = it._feeder._transfers
+    assert t.layouts.compiled == 0 and t.layouts.refused == 9  # nothing recurs ...
+    assert t.grid_joins == 2 * (9 - 3)  # ... so from the 4th such batch on, both columns on a grid
+    assert t.device_joins == t.grid_joins  # never a compiled layout
+
+
+def test_a_grid_join_never_cuts_into_chunks_smaller_than_its_minimum_nor_mostly_across_ends():
+    sizes = [367, 163, 190, 206, 190, 364, 383, 303, 151, 166]
+    _, big = _all(_grid_stream(sizes, 128, grid_bytes=1 << 20))  # 1 MB chunks: none in 32 rows
+    assert big._feeder._transfers.layouts.refused == 9 and big._feeder._transfers.grid_joins == 0
+    small = [3, 5, 4, 6, 7, 2, 5, 3, 4, 6] * 16  # every 4-row chunk but a few crosses a block's end
+    want, _ = _all(iter_jax_batches(blocks(small, width=4), batch_size=128, ragged="drop"))
+    got, it = _all(_grid_stream(small, 128, grid_bytes=64))
+    _same(got, want)
+    assert it._feeder._transfers.layouts.mostly_refused and it._feeder._transfers.grid_joins == 0
+
+
+def test_grid_chunks_across_block_ends_are_staged_in_reused_buffers():
+    from rayslice.data._transfer import Transfers
+
+    sharding = iter_jax_batches(blocks([8]), batch_size=8)._feeder.sharding  # 4 CPU devices
+    t = Transfers(sharding, reuse_staging=True, ring_depth=2, grid_bytes=8)
+    for _ in range(4):
+        t.layouts.admit(object())  # a stream of layouts that never recur
+    x = np.arange(64 * 2, dtype=np.float32).reshape(64, 2)
+    for i in range(6):  # 16 rows per device, 2 chunks of 8; a block ends inside device 1's first chunk
+        cut = 17 + i  # at another row each time: no layout recurs
+        out = t.put({"x": Pieces([x[:cut], x[cut:]])}, 64)
+        np.testing.assert_array_equal(np.asarray(out["x"]), x)
+    assert t.grid_joins == 6 and t.ring is not None and t.ring.allocated <= 2  # one buffer, lent again
+    t.close()

@@ -476,7 +476,9 @@ def test_accelerator_benchmark_skips_without_one_and_its_dry_run_measures_every_
     assert r["dry_run"] and set(r["sizes"]) == {"1MB", "2MB"} and r["defaults"]["staging_pinned"] is False
     for entry in r["sizes"].values():
         feeders = {"rayslice", "rayslice_sync", "rayslice_blocks", "rayslice_blocks_host", "rayslice_uneven"}
-        assert {*mod.LIMITS, "to_pinned", *feeders, "uneven_vs_best", "blocks_host_vs_best"} <= set(entry)
+        feeders |= {"rayslice_large", "rayslice_large_host"}
+        ratios = {"uneven_vs_best", "blocks_host_vs_best", "large_vs_best", "large_host_vs_best"}
+        assert {*mod.LIMITS, "to_pinned", *feeders, *ratios} <= set(entry)
         assert set(entry["warm_up_pass_ms"]) == feeders
         assert entry["vs_best"]["median"] > 0 and entry["best_feeder_vs_best"]["median"] >= entry["vs_best"]["median"]
     assert r["step"]["layers"] == 1 and r["step"]["rayslice_vs_plain"]["median"] > 0

@@ -22,10 +22,25 @@ Every column in pieces of one batch is cut at the same rows; each distinct
 cut (piece lengths per device: the batch's layout) costs one compilation of
 the join per column kind and device (0.15-0.75 s on that TPU host), so a
 stream joins on the device only layouts that recur, at most ``MAX_LAYOUTS``
-(:class:`Layouts`); other batches are joined on the host. Uniform blocks give
-one or a few layouts, joined on the device from their second batch on;
-blocks whose size is unrelated to the batch size (files of any length) cut
-every batch at another place: joined on the host, with nothing compiled.
+(:class:`Layouts`). Uniform blocks give one or a few layouts, joined on the
+device from their second batch on; blocks whose size is unrelated to the
+batch size (files of any length) cut every batch at another place.
+
+Where no layout recurs, a batch can still be joined on the device **on a
+grid** (:func:`grid_cuts`, :func:`grid_chunks`): each device's rows cut into
+``k`` equal chunks of at least ``GRID_MIN_BYTES``, whatever the blocks; a
+chunk inside one block is transferred as it is (a view), a chunk across a
+block's end is joined on the host (only its rows), and the ``k`` equal chunks
+are concatenated on the device: one compilation per stream, whatever the
+cuts. That pays where blocks are larger than chunks (few chunks cross an end).
+On the TPU v5e host, in a probe, 20 MB blocks into 16-32 MB batches went from
+0.56-0.60 of a contiguous ``device_put`` joined on the host to 0.98-1.00 on a
+grid of 4 MB chunks; 5 MB blocks gained nothing (most chunks cross an end),
+and smaller chunks cost more than they save (1 MB: 0.54-0.58, 0.5 MB: 0.28).
+In the feeder (docs/performance.md, *TPU host*), 51 MB blocks into 32 MB
+batches: 0.61 against 0.50; into 16 MB batches no gain. A device whose rows
+give fewer than two chunks, or whose chunks cross an end more than one in
+four, has its rows joined on the host.
 
 Example:
     >>> import numpy as np
@@ -48,6 +63,10 @@ import numpy as np
 
 #: Distinct batch layouts (piece lengths per device) one stream joins on the device; further ones join on the host.
 MAX_LAYOUTS = 16
+
+#: Smallest chunk of a grid join (bytes of one column on one device): smaller transfers cost more than
+#: their bytes (TPU v5e: chunks of 4 MB moved at 0.81-1.00 of a contiguous batch, of 1 MB at 0.54-0.58).
+GRID_MIN_BYTES = 4 << 20
 
 
 def write_rows(buf: np.ndarray, parts: Sequence[np.ndarray]) -> np.ndarray:
@@ -154,6 +173,35 @@ def join_on_device(parts: list[np.ndarray], device: Any) -> Any:
     return arrays[0] if len(arrays) == 1 else _concatenate()(*arrays)
 
 
+def grid_cuts(rows: int, row_bytes: int, min_bytes: int = GRID_MIN_BYTES) -> int:
+    """Into how many equal chunks a grid join cuts ``rows`` rows (1: too few bytes for a grid).
+
+    The most chunks, a power of two dividing ``rows``, each of at least ``min_bytes``.
+
+    Example:
+        >>> grid_cuts(32768, 512), grid_cuts(32768, 512, min_bytes=1 << 20)  # 16 MB of rows
+        (4, 16)
+        >>> grid_cuts(8192, 512), grid_cuts(999, 1 << 20)  # 2 MB chunks would be too small; an odd count
+        (1, 1)
+    """
+    k = 1
+    while rows % (2 * k) == 0 and rows // (2 * k) * row_bytes >= min_bytes:
+        k *= 2
+    return k
+
+
+def grid_chunks(col: Pieces, start: int, stop: int, k: int) -> list[list[np.ndarray]]:
+    """Rows ``[start, stop)`` of ``col`` as ``k`` equal chunks, each the pieces (views) that cover it.
+
+    Example:
+        >>> col = Pieces([np.arange(5), np.arange(5, 8)])
+        >>> [[p.tolist() for p in chunk] for chunk in grid_chunks(col, 0, 8, 4)]
+        [[[0, 1]], [[2, 3]], [[4], [5]], [[6, 7]]]
+    """
+    size = (stop - start) // k
+    return [col.rows(start + i * size, start + (i + 1) * size) for i in range(k)]
+
+
 class Layouts:
     """Which join layouts a stream compiles: those that recur (see the module docstring).
 
@@ -179,7 +227,12 @@ class Layouts:
         self._known: set[Any] = set()
         self._seen: dict[Any, int] = {}
         self._total = 0
-        self.refused = 0  # batches joined on the host instead (for tests and benchmarks)
+        self.refused = 0  # batches of no compiled layout: joined on a grid or on the host (for tests and benchmarks)
+
+    @property
+    def mostly_refused(self) -> bool:
+        """Whether most batches so far had no compiled layout (past the first few): a stream to join on a grid."""
+        return self.refused >= 4 and 2 * self.refused > self._total
 
     @property
     def compiled(self) -> int:

@@ -14,8 +14,9 @@ devices of its sharding, column by column:
   ``device_put`` of host memory (on CPU devices an alias of an aligned batch);
 * **in pieces** (a :class:`~rayslice.data._pieces.Pieces` column, a batch
   spanning source blocks under ``assemble="device"``): each device's rows
-  of each piece transferred as they are and joined on that device; a layout
-  past the stream's budget is joined on the host first.
+  of each piece transferred as they are and joined on that device; in a
+  stream whose layouts do not recur, on a grid of equal chunks, or joined on
+  the host first (see :mod:`~rayslice.data._pieces`).
 
 Measured on an H200 host (docs/performance.md, *GPU host*), for 8-32 MB
 batches: the feeder with pageable ``device_put`` 14-18 GB/s, through
@@ -47,7 +48,16 @@ from typing import Any
 import numpy as np
 
 from rayslice._validate import fail
-from rayslice.data._pieces import Layouts, Pieces, device_spans, join_on_device
+from rayslice.data._pieces import (
+    GRID_MIN_BYTES,
+    Layouts,
+    Pieces,
+    device_spans,
+    grid_chunks,
+    grid_cuts,
+    join_on_device,
+    write_rows,
+)
 from rayslice.data._staging import StagingRing, aligned_empty
 from rayslice.data._storepin import StorePinning, store_pinning
 
@@ -76,6 +86,8 @@ class Transfers:
             (accelerators).
         store: Ray's object store registration to use (None: the process's
             own, on CUDA devices under ``staging="auto"``; given, for tests).
+        grid_bytes: Smallest chunk of a grid join, in bytes of one column on
+            one device (:data:`~rayslice.data._pieces.GRID_MIN_BYTES`).
     """
 
     def __init__(
@@ -88,6 +100,7 @@ class Transfers:
         ring_depth: int = 4,
         reuse_staging: bool = False,
         store: StorePinning | None = None,
+        grid_bytes: int = GRID_MIN_BYTES,
     ) -> None:
         self.sharding = sharding
         self.local = sorted(sharding.addressable_devices, key=lambda d: d.id)
@@ -106,7 +119,9 @@ class Transfers:
         self._index_maps: dict[tuple, list] = {}
         self._spans: dict[int, Any] = {}
         self.layouts = Layouts()
+        self.grid_bytes = grid_bytes
         self.device_joins = 0  # columns joined on the devices (for tests and benchmarks)
+        self.grid_joins = 0  # of which on a grid of equal chunks
 
     def _pinned_sharding(self, staging: str, device: Any) -> Any:
         """The batch sharding in ``pinned_host`` memory, or None to transfer from pageable memory."""
@@ -168,38 +183,63 @@ class Transfers:
         out = {k: jax.make_array_from_process_local_data(target, v, shape0 + v.shape[1:]) for k, v in dev.items()}
         return jax.device_put(out, self.sharding) if pinned is not None else out
 
-    def _admitted_spans(self, col: Pieces, rows: int) -> list[tuple[Any, int, int]] | None:
-        """Each local device's rows of a batch whose columns are in pieces cut like ``col``, or
-        None to join the batch on the host (a layout that does not recur, see :class:`Layouts`)."""
+    def _layout(self, col: Pieces, rows: int) -> tuple[list[tuple[Any, int, int]] | None, bool]:
+        """Each local device's rows of a batch whose columns are in pieces cut like ``col`` (None where
+        a device's shard is not a row range), and whether the batch's layout is compiled (:class:`Layouts`)."""
         if self.store is not None:  # pieces of Ray's store: registered for DMA on first sight, as views are
             self._in_store(col.parts[0])
         if rows not in self._spans:  # the batch dimension alone is split
             self._spans[rows] = device_spans(self.sharding, (rows * self.process_count,))
         spans = self._spans[rows]
         if spans is None:
-            return None
+            return None, False
         # Every Pieces column of a batch is cut at the same rows: one layout per batch.
         key = tuple((d.id, lengths) for d, a, b in spans if len(lengths := tuple(len(p) for p in col.rows(a, b))) > 1)
-        if key and not self.layouts.admit(key):
-            return None
-        return spans
+        return spans, not key or self.layouts.admit(key)
 
-    def _join_on_devices(self, cols: dict[str, Pieces], rows: int, spans: list[tuple[Any, int, int]]) -> dict:
-        """Global arrays of ``cols``: each device's pieces transferred and joined there (every job issued first)."""
+    def _grid(self, col: Pieces, spans: list[tuple[Any, int, int]]) -> tuple[list[list[np.ndarray]], list] | None:
+        """Each device's rows of ``col`` as equal chunks to join on the device (see :func:`grid_cuts`), and
+        the staging buffers of the chunks that cross a block's end; None where a device's rows are too
+        few bytes for a grid, or more than a quarter of its chunks would cross an end (measured on a
+        TPU v5e host: there the grid gained nothing over the host join)."""
+        row_bytes = col.nbytes // max(1, len(col))
+        cut = []
+        for _, a, b in spans:  # a device whose rows lie in one block takes them as they are
+            whole = col.rows(a, b)
+            cut.append(
+                [whole] if len(whole) == 1 else grid_chunks(col, a, b, grid_cuts(b - a, row_bytes, self.grid_bytes))
+            )
+        if any(len(c) == 1 and len(c[0]) > 1 or 4 * sum(len(pieces) > 1 for pieces in c) > len(c) for c in cut):
+            return None
+        alloc = self.ring.alloc if self.ring is not None else aligned_empty
+        staged: list[np.ndarray] = []
+        per_device = []
+        for chunks in cut:
+            arrays = []
+            for pieces in chunks:
+                if len(pieces) > 1:
+                    staged.append(write_rows(alloc((sum(map(len, pieces)), *col.shape[1:]), col.dtype), pieces))
+                arrays.append(staged[-1] if len(pieces) > 1 else pieces[0])
+            per_device.append(arrays)
+        return per_device, staged
+
+    def _join_on_devices(
+        self, cols: dict[str, list[list[np.ndarray]]], shapes: dict[str, tuple[int, ...]], spans: list
+    ) -> dict[str, Any]:
+        """Global arrays of ``cols`` (per local device, the arrays to transfer and join there, in
+        ``spans``' order) of global shape ``shapes[k]``; every job is issued before any is waited on."""
         import jax
 
         jobs: dict[str, list[Any]] = {}
-        for k, col in cols.items():
+        for k, per_device in cols.items():
             if self._pool is not None:
-                jobs[k] = [self._pool.submit(join_on_device, col.rows(a, b), d) for d, a, b in spans]
+                jobs[k] = [self._pool.submit(join_on_device, arrays, d) for arrays, (d, _, _) in zip(per_device, spans)]
             else:
-                jobs[k] = [join_on_device(col.rows(a, b), d) for d, a, b in spans]
+                jobs[k] = [join_on_device(arrays, d) for arrays, (d, _, _) in zip(per_device, spans)]
         out = {}
-        for k, col in cols.items():
-            arrays = [f.result() for f in jobs[k]] if self._pool is not None else jobs[k]
-            out[k] = jax.make_array_from_single_device_arrays(
-                (rows * self.process_count, *col.shape[1:]), self.sharding, arrays
-            )
+        for k, fs in jobs.items():
+            arrays = [f.result() for f in fs] if self._pool is not None else fs
+            out[k] = jax.make_array_from_single_device_arrays(shapes[k], self.sharding, arrays)
         self.device_joins += len(cols)
         return out
 
@@ -208,17 +248,33 @@ class Transfers:
 
         A staging buffer the batch was assembled in is lent again once the
         transfer that reads it is done. :class:`Pieces` columns are joined on
-        the devices, or on the host where their layout does not recur.
+        the devices: in their pieces where the batch's layout recurs, else on a
+        grid of equal chunks once most batches' layouts have not recurred,
+        else on the host.
         """
         pieces: dict[str, Pieces] = {k: v for k, v in dev.items() if isinstance(v, Pieces)}  # type: ignore[misc]
         if not pieces:
             return self._put_plain(dev, rows)
-        spans = self._admitted_spans(next(iter(pieces.values())), rows)
-        if spans is None:
-            alloc = self.ring.alloc if self.ring is not None else aligned_empty
-            return self._put_plain({k: v.join(alloc) if isinstance(v, Pieces) else v for k, v in dev.items()}, rows)
-        joined = self._join_on_devices(pieces, rows, spans)
-        rest = {k: v for k, v in dev.items() if k not in joined}
+        spans, compiled = self._layout(next(iter(pieces.values())), rows)
+        cols: dict[str, list[list[np.ndarray]]] = {}
+        staged: dict[str, list[np.ndarray]] = {}
+        if spans is not None and compiled:
+            cols = {k: [col.rows(a, b) for _, a, b in spans] for k, col in pieces.items()}
+        elif spans is not None and self.layouts.mostly_refused:
+            for k, col in pieces.items():
+                if (grid := self._grid(col, spans)) is not None:
+                    cols[k], staged[k] = grid
+            self.grid_joins += len(cols)
+        shapes = {k: (rows * self.process_count, *pieces[k].shape[1:]) for k in cols}
+        joined = self._join_on_devices(cols, shapes, spans or []) if cols else {}
+        if self.ring is not None:  # a chunk's staging buffer is read by the join of its device
+            for k, bufs in staged.items():
+                guard = joined[k]
+                self.ring.seal(
+                    {str(i): b for i, b in enumerate(bufs)}, dict.fromkeys(map(str, range(len(bufs))), guard)
+                )
+        alloc = self.ring.alloc if self.ring is not None else aligned_empty
+        rest = {k: v.join(alloc) if isinstance(v, Pieces) else v for k, v in dev.items() if k not in joined}
         out = self._put_plain(rest, rows) if rest else {}
         return {k: joined[k] if k in joined else out[k] for k in dev}
 
