@@ -267,13 +267,21 @@ def test_grid_chunks_across_block_ends_are_staged_in_reused_buffers():
     from rayslice.data._transfer import Transfers
 
     sharding = iter_jax_batches(blocks([8]), batch_size=8)._feeder.sharding  # 4 CPU devices
-    t = Transfers(sharding, reuse_staging=True, ring_depth=2, grid_bytes=8)
+    t = Transfers(sharding, reuse_staging=True, ring_depth=2, grid_bytes=32)
     for _ in range(4):
         t.layouts.admit(object())  # a stream of layouts that never recur
     x = np.arange(64 * 2, dtype=np.float32).reshape(64, 2)
-    for i in range(6):  # 16 rows per device, 2 chunks of 8; a block ends inside device 1's first chunk
-        cut = 17 + i  # at another row each time: no layout recurs
+    buffers = set()
+    # 16 rows per device (8 bytes each): 4 chunks of 4 rows; a block ends inside one chunk of device 1's,
+    # at another row each time (no layout recurs), and that chunk alone is staged.
+    for cut in (17, 18, 19, 21, 22, 23):
         out = t.put({"x": Pieces([x[:cut], x[cut:]])}, 64)
         np.testing.assert_array_equal(np.asarray(out["x"]), x)
-    assert t.grid_joins == 6 and t.ring is not None and t.ring.allocated <= 2  # one buffer, lent again
+        assert t.ring is not None
+        buffers |= {e.buf.ctypes.data for pool in t.ring._pools.values() for e in pool}
+    assert t.grid_joins == 6 and t.ring.allocated == 1 and len(buffers) == 1  # one buffer, lent again
+    out["x"].delete()  # the consumer donated the last batch to its step: its transfer's state is unknown
+    out = t.put({"x": Pieces([x[:25], x[25:]])}, 64)  # a cut not seen before: on the grid again
+    np.testing.assert_array_equal(np.asarray(out["x"]), x)
+    assert t.ring.allocated == 2  # a fresh buffer: the donated batch's is never lent again
     t.close()

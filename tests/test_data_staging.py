@@ -82,6 +82,18 @@ def test_aligned_buffers_and_the_ring_reuse_only_finished_copies():
     assert a.ctypes.data % ALIGN == 0
 
 
+def test_a_buffer_whose_batch_was_donated_is_never_lent_again():
+    # A step with donate_argnums deletes the batch that guards the buffer: asking a deleted array
+    # whether it is ready crashed the process (jaxlib 0.10, CPU); its buffer is forgotten instead.
+    ring = StagingRing(depth=2)
+    buf = ring.alloc((4,), np.dtype("float32"))
+    batch = jax.device_put(buf, jax.devices()[0])
+    ring.seal({"x": buf}, {"x": batch})
+    batch.delete()
+    again = ring.alloc((4,), np.dtype("float32"))
+    assert not np.shares_memory(again, buf) and ring.allocated == 2
+
+
 # -- pipeline: sync (no thread) and thread give the same batches and states ---------------------------------------
 
 

@@ -31,16 +31,16 @@ grid** (:func:`grid_cuts`, :func:`grid_chunks`): each device's rows cut into
 ``k`` equal chunks of at least ``GRID_MIN_BYTES``, whatever the blocks; a
 chunk inside one block is transferred as it is (a view), a chunk across a
 block's end is joined on the host (only its rows), and the ``k`` equal chunks
-are concatenated on the device: one compilation per stream, whatever the
-cuts. That pays where blocks are larger than chunks (few chunks cross an end).
+are concatenated on the device: one compilation per column kind and device,
+whatever the cuts. That pays where blocks are larger than chunks (few chunks cross an end).
 On the TPU v5e host, in a probe, 20 MB blocks into 16-32 MB batches went from
 0.56-0.60 of a contiguous ``device_put`` joined on the host to 0.98-1.00 on a
 grid of 4 MB chunks; 5 MB blocks gained nothing (most chunks cross an end),
 and smaller chunks cost more than they save (1 MB: 0.54-0.58, 0.5 MB: 0.28).
 In the feeder (docs/performance.md, *TPU host*), 51 MB blocks into 32 MB
-batches: 0.61 against 0.50; into 16 MB batches no gain. A device whose rows
-give fewer than two chunks, or whose chunks cross an end more than one in
-four, has its rows joined on the host.
+batches: 0.61 against 0.50; into 16 MB batches no gain. Where one device's
+rows give fewer than two chunks, or more than one chunk in four crosses an
+end, the column is joined on the host.
 
 Example:
     >>> import numpy as np

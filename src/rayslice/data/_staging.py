@@ -82,13 +82,20 @@ def _done(guard: Any) -> bool:
     return bool(ready()) if ready is not None else True
 
 
+def _deleted(guard: Any) -> bool:
+    """Whether the transfer guarding a buffer was deleted (e.g. donated to a step): its state is unknown."""
+    deleted = getattr(guard, "is_deleted", None)
+    return bool(deleted()) if deleted is not None else False
+
+
 class StagingRing:
     """Up to ``depth`` reusable aligned buffers per (shape, dtype).
 
     ``alloc`` lends a buffer; ``seal`` says which transfer (a ``jax.Array``
     with ``is_ready()``) reads it; the buffer is lent again only once that
     transfer is done. A buffer never sealed (e.g. a cast replaced it) is
-    simply forgotten when the ring is full, never reused.
+    simply forgotten when the ring is full, never reused; so is one whose
+    transfer was deleted (a batch donated to a step) before it was seen done.
     """
 
     def __init__(self, depth: int) -> None:
@@ -99,6 +106,9 @@ class StagingRing:
     def alloc(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         # Keyed by the dtype itself: ml_dtypes' float8/int4 kinds share one dtype.str ('<V1').
         pool = self._pools.setdefault((tuple(shape), np.dtype(dtype)), [])
+        # A batch the consumer deleted or donated (``donate_argnums``) says nothing of its transfer any
+        # more (asking a deleted array crashes some jaxlibs): its buffer is forgotten, never lent again.
+        pool[:] = [e for e in pool if e.lent or not _deleted(e.guard)]
         for i, e in enumerate(pool):  # oldest first
             if not e.lent and _done(e.guard):
                 e.lent, e.guard = True, None
