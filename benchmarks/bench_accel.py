@@ -183,12 +183,8 @@ def run(
         best = [max(per[k][i] for k in LIMITS if k in per) for i in range(repeats)]
         feeders = [max(per[k][i] for k in methods) for i in range(repeats)]
         entry: dict[str, Any] = {k: _spread(v) for k, v in per.items()}
-        entry["vs_best"] = _spread([a / b for a, b in zip(per["rayslice"], best)])
-        entry["blocks_vs_best"] = _spread([a / b for a, b in zip(per["rayslice_blocks"], best)])
-        entry["blocks_host_vs_best"] = _spread([a / b for a, b in zip(per["rayslice_blocks_host"], best)])
-        entry["uneven_vs_best"] = _spread([a / b for a, b in zip(per["rayslice_uneven"], best)])
-        entry["large_vs_best"] = _spread([a / b for a, b in zip(per["rayslice_large"], best)])
-        entry["large_host_vs_best"] = _spread([a / b for a, b in zip(per["rayslice_large_host"], best)])
+        for ratio, method in VS_BEST.items():
+            entry[ratio] = _spread([a / b for a, b in zip(per[method], best)])
         entry["best_feeder_vs_best"] = _spread([a / b for a, b in zip(feeders, best)])
         for ref in ("pinned", "pageable"):
             if ref in per:
@@ -228,6 +224,15 @@ def run(
 
 
 STEP_METHODS = ("rayslice", "rayslice_sync", "rayslice_blocks", "rayslice_blocks_host", "plain_thread", "one_ahead")
+#: Ratios to the round's true limit, each of one feeder method.
+VS_BEST = {
+    "vs_best": "rayslice",
+    "blocks_vs_best": "rayslice_blocks",
+    "blocks_host_vs_best": "rayslice_blocks_host",
+    "uneven_vs_best": "rayslice_uneven",
+    "large_vs_best": "rayslice_large",
+    "large_host_vs_best": "rayslice_large_host",
+}
 UNEVEN_ROWS = 10_000  # rows per block of the uneven source (not a divisor of any batch size here)
 LARGE_ROWS = 100_000  # rows per block of the large source (51 MB: larger than any batch here, not a multiple)
 
@@ -258,17 +263,7 @@ def _print(r: dict[str, Any]) -> None:
         f"memory kinds {r['memory_kinds']}; defaults here {r['defaults']}; {r['repeats']} rounds",
         file=sys.stderr,
     )
-    ratios = (
-        "vs_best",
-        "blocks_vs_best",
-        "blocks_host_vs_best",
-        "uneven_vs_best",
-        "large_vs_best",
-        "large_host_vs_best",
-        "best_feeder_vs_best",
-        "vs_pinned",
-        "vs_pageable",
-    )
+    ratios = (*VS_BEST, "best_feeder_vs_best", "vs_pinned", "vs_pageable")
     for size, e in r["sizes"].items():
         bw = "  ".join(f"{k} {v['median']:.1f}" for k, v in e.items() if k not in ratios and not k.endswith("_ms"))
         print(f"  {size:>5}: GB/s from the first batch on: {bw}", file=sys.stderr)

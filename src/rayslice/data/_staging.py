@@ -126,13 +126,14 @@ class StagingRing:
     def seal(self, batch: Mapping[str, np.ndarray], guards: Mapping[str, Any]) -> None:
         """Marks the buffers of ``batch`` as read by ``guards[column]`` (a transfer, or None when done)."""
         for k, a in batch.items():
-            pool = self._pools.get((a.shape, a.dtype))
-            if not pool:
-                continue
-            for e in pool:
-                if e.lent and e.buf.ctypes.data == a.ctypes.data:
-                    e.lent, e.guard = False, guards.get(k)
-                    break
+            self.read_by(a, guards.get(k))
+
+    def read_by(self, buf: np.ndarray, guard: Any) -> None:
+        """Marks ``buf``, if it is a buffer this ring lent, as read by ``guard`` (None: done)."""
+        for e in self._pools.get((buf.shape, buf.dtype), ()):
+            if e.lent and e.buf.ctypes.data == buf.ctypes.data:
+                e.lent, e.guard = False, guard
+                break
 
 
 def _refs(pool: list[np.ndarray], i: int) -> int:

@@ -108,6 +108,7 @@ class Transfers:
         self.process_count = process_count
         self.pinned = self._pinned_sharding(staging, self.local[0])
         self.ring: StagingRing | None = StagingRing(ring_depth) if reuse_staging else None
+        self._alloc = self.ring.alloc if self.ring is not None else aligned_empty  # host joins' buffers
         self.store = store
         if store is None and staging == "auto" and _is_cuda(self.local[0]):
             self.store = store_pinning()
@@ -211,15 +212,16 @@ class Transfers:
             )
         if any(len(c) == 1 and len(c[0]) > 1 or 4 * sum(len(pieces) > 1 for pieces in c) > len(c) for c in cut):
             return None
-        alloc = self.ring.alloc if self.ring is not None else aligned_empty
         staged: list[np.ndarray] = []
         per_device = []
         for chunks in cut:
             arrays = []
             for pieces in chunks:
-                if len(pieces) > 1:
-                    staged.append(write_rows(alloc((sum(map(len, pieces)), *col.shape[1:]), col.dtype), pieces))
-                arrays.append(staged[-1] if len(pieces) > 1 else pieces[0])
+                if len(pieces) > 1:  # across a block's end: its rows joined in a staging buffer
+                    staged.append(write_rows(self._alloc((sum(map(len, pieces)), *col.shape[1:]), col.dtype), pieces))
+                    arrays.append(staged[-1])
+                else:
+                    arrays.append(pieces[0])
             per_device.append(arrays)
         return per_device, staged
 
@@ -267,14 +269,11 @@ class Transfers:
             self.grid_joins += len(cols)
         shapes = {k: (rows * self.process_count, *pieces[k].shape[1:]) for k in cols}
         joined = self._join_on_devices(cols, shapes, spans or []) if cols else {}
-        if self.ring is not None:  # a chunk's staging buffer is read by the join of its device
+        if self.ring is not None:  # a chunk's staging buffer is read by the join of its column
             for k, bufs in staged.items():
-                guard = joined[k]
-                self.ring.seal(
-                    {str(i): b for i, b in enumerate(bufs)}, dict.fromkeys(map(str, range(len(bufs))), guard)
-                )
-        alloc = self.ring.alloc if self.ring is not None else aligned_empty
-        rest = {k: v.join(alloc) if isinstance(v, Pieces) else v for k, v in dev.items() if k not in joined}
+                for buf in bufs:
+                    self.ring.read_by(buf, joined[k])
+        rest = {k: v.join(self._alloc) if isinstance(v, Pieces) else v for k, v in dev.items() if k not in joined}
         out = self._put_plain(rest, rows) if rest else {}
         return {k: joined[k] if k in joined else out[k] for k in dev}
 

@@ -195,7 +195,9 @@ class FeederOptions:
             one transfer), ``"device"`` (each device's rows of each block
             transferred as they are, then joined on the device: one host copy
             fewer; only piece layouts that recur are compiled, at most 16 per
-            stream, other batches are joined on the host) or ``"auto"``
+            stream; where layouts do not recur, blocks larger than the batch's
+            4 MB chunks are joined on a grid of equal chunks, other batches on
+            the host) or ``"auto"``
             (default: ``"device"`` on TPUs, where it reached the full
             ``device_put`` rate on a TPU v5e host against about a third of it
             joined on the host; ``"host"`` elsewhere: on CPU devices an aligned
