@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from rayslice.data import FeederOptions, iter_jax_batches
 from rayslice.data._rebatch import host_batches
-from rayslice.data._staging import ALIGN, AliasPool, StagingRing, aligned_empty, is_aligned
+from rayslice.data._staging import ALIGN, SPARES, AliasPool, Spares, StagingRing, aligned_empty, is_aligned
 from rayslice.errors import InvalidArgument
 
 
@@ -92,6 +92,75 @@ def test_a_buffer_whose_batch_was_donated_is_never_lent_again():
     batch.delete()
     again = ring.alloc((4,), np.dtype("float32"))
     assert not np.shares_memory(again, buf) and ring.allocated == 2
+
+
+def test_a_finished_rings_idle_buffers_go_to_the_next_ring_and_no_others():
+    class Transfer:
+        def __init__(self, done, deleted=False):
+            self.done, self.deleted = done, deleted
+
+        def is_ready(self):
+            assert not self.deleted, "asked a deleted array"
+            return self.done
+
+        def is_deleted(self):
+            return self.deleted
+
+    spares = Spares(limit=1 << 20)
+    ring = StagingRing(depth=8, spares=spares)
+    f32 = np.dtype("float32")
+    idle, running, donated, lent = (ring.alloc((4, 2), f32) for _ in range(4))
+    other = ring.alloc((3,), np.dtype("int32"))
+    ring.seal(
+        {"a": idle, "b": running, "c": donated, "o": other},
+        {"a": Transfer(True), "b": Transfer(False), "c": Transfer(True, deleted=True), "o": None},
+    )
+    ring.release()
+    ring.release()  # idempotent: nothing is handed over twice
+    assert spares.nbytes == idle.nbytes + other.nbytes  # still copying, deleted or still lent: freed, not kept
+    nxt = StagingRing(depth=8, spares=spares)
+    got = nxt.alloc((4, 2), f32)
+    assert np.shares_memory(got, idle) and got is not idle and (nxt.allocated, nxt.from_spares) == (1, 1)
+    assert not any(np.shares_memory(nxt.alloc((4, 2), f32), b) for b in (running, donated, lent))
+    assert nxt.from_spares == 1 and spares.nbytes == other.nbytes  # the int32 buffer waits for its shape
+    assert is_aligned(got) and np.shares_memory(nxt.alloc((3,), np.dtype("int32")), other)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 40), st.sampled_from(["int8", "float32"])), max_size=30), st.integers(0, 200))
+def test_spares_keep_at_most_their_limit_newest_first(bufs, limit):
+    spares = Spares(limit=limit)
+    given_bufs = [np.zeros(n, dtype) for n, dtype in bufs]
+    for b in given_bufs:
+        spares.give(b)
+        assert spares.nbytes <= limit
+    kept = [b for b in given_bufs if any(b is k for k in spares._bufs)]
+    assert spares.nbytes == sum(b.nbytes for b in kept)
+    assert kept == given_bufs[len(given_bufs) - len(kept) :]  # the newest survive
+    for b in reversed(kept):  # taken back most recent first, by shape and dtype
+        assert spares.take(b.shape, b.dtype) is not None
+    assert spares.nbytes == 0 and spares.take((1,), np.dtype("int8")) is None
+
+
+def test_the_next_stream_writes_into_the_last_streams_staging_buffers(monkeypatch):
+    # As on accelerators (a transfer copies; int64 is converted, so copied, on CPU too): the second
+    # stream takes the first's buffers, already paged in, and the first stream's batches stay intact.
+    import rayslice.data.feeder as feeder
+
+    monkeypatch.setattr(feeder, "_reuses_staging", lambda platform: True)
+    SPARES.clear()
+    src = [{"id": np.arange(i * 12, i * 12 + 12, dtype=np.int64)} for i in range(40)]
+    first = iter_jax_batches(src, batch_size=16, pipeline="thread", prefetch=2)
+    held = list(first)
+    jax.block_until_ready(held)
+    assert SPARES.nbytes > 0 and not first._feeder._ring._pools  # handed over when the stream ended
+    second = iter_jax_batches(src, batch_size=16, pipeline="thread", prefetch=2)
+    again = list(second)
+    ring = second._feeder._ring
+    assert ring.from_spares >= 1 and ring.from_spares == ring.allocated
+    for batches in (held, again):
+        np.testing.assert_array_equal(np.concatenate([np.asarray(b["id"]) for b in batches]), np.arange(480))
+    SPARES.clear()
 
 
 # -- pipeline: sync (no thread) and thread give the same batches and states ---------------------------------------

@@ -20,6 +20,14 @@ already paged in: writing a 32 MB batch into a fresh buffer took ~4 ms on a
 kernel compacted memory for huge pages. Columns of Python objects get a
 plain ``np.empty`` (never aliased, never reused).
 
+When a stream ends, the idle buffers of its ring are kept for the next
+stream of the process (:data:`SPARES`, at most ``SPARE_BYTES``): fresh memory
+costs far more than its copy on some hosts. On a TPU v5e host (no
+transparent huge pages) writing 32 MB into fresh memory took 38-45 ms
+against 2.5-3.7 ms into memory already paged in (16 MB: 5.5 against 1.5 ms;
+``MAP_POPULATE`` only moved the cost: 27 ms), so a short stream spent most of
+its time faulting in its ring (docs/performance.md, *TPU host*).
+
 Example:
     >>> import numpy as np
     >>> a = aligned_empty((3, 5), np.dtype("float32"))
@@ -32,17 +40,25 @@ Example:
     >>> ring.seal({"x": b}, {"x": None})  # its copy is done (None: nothing to wait for)
     >>> np.shares_memory(ring.alloc((4,), np.dtype("int32")), b)
     True
+    >>> ring.seal({"x": b}, {"x": None})
+    >>> ring.release()  # the stream is over: its idle buffers are kept for the next one
+    >>> np.shares_memory(StagingRing(depth=2).alloc((4,), np.dtype("int32")), b)
+    True
 """
 
 from __future__ import annotations
 
 import sys
+import threading
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
 ALIGN = 64  # bytes; what JAX's CPU client needs to alias a host buffer instead of copying it
+
+#: Idle staging buffers a process keeps for its next stream, in bytes (the oldest are freed first).
+SPARE_BYTES = 1 << 30
 
 
 def aligned_empty(shape: tuple[int, ...], dtype: np.dtype, align: int = ALIGN) -> np.ndarray:
@@ -88,6 +104,60 @@ def _deleted(guard: Any) -> bool:
     return bool(deleted()) if deleted is not None else False
 
 
+class Spares:
+    """Idle staging buffers of finished streams, lent to the next streams of the process (thread-safe).
+
+    Holds at most ``limit`` bytes; past that the oldest are dropped (freed by
+    the garbage collector). A buffer is handed over only once nothing reads
+    or writes it (see :meth:`StagingRing.release`).
+
+    Args:
+        limit: Bytes kept at most.
+
+    Example:
+        >>> spares = Spares(limit=64)
+        >>> a, b = np.zeros(6, np.int64), np.ones(6, np.int64)  # 48 bytes each
+        >>> spares.give(a); spares.give(b)  # the oldest goes: 96 bytes > 64
+        >>> spares.nbytes, spares.take((6,), np.dtype("int64")) is b, spares.take((6,), np.dtype("int64"))
+        (48, True, None)
+    """
+
+    def __init__(self, limit: int = SPARE_BYTES) -> None:
+        self.limit = limit
+        self.nbytes = 0
+        self._bufs: list[np.ndarray] = []  # oldest first
+        self._lock = threading.Lock()
+
+    def give(self, buf: np.ndarray) -> None:
+        """Keeps ``buf`` (an idle staging buffer) for a later stream."""
+        with self._lock:
+            self._bufs.append(buf)
+            self.nbytes += buf.nbytes
+            while self.nbytes > self.limit:
+                self.nbytes -= self._bufs.pop(0).nbytes
+
+    def take(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray | None:
+        """A kept buffer of ``shape`` and ``dtype`` (the most recently used), or None."""
+        with self._lock:
+            for i in range(len(self._bufs) - 1, -1, -1):
+                buf = self._bufs[i]
+                if buf.shape == shape and buf.dtype == dtype:
+                    del self._bufs[i]
+                    self.nbytes -= buf.nbytes
+                    return buf
+        return None
+
+    def clear(self) -> None:
+        """Frees every kept buffer."""
+        with self._lock:
+            self._bufs.clear()
+            self.nbytes = 0
+
+
+#: The process's idle staging buffers (see the module docstring).
+SPARES = Spares()
+
+
 class StagingRing:
     """Up to ``depth`` reusable aligned buffers per (shape, dtype).
 
@@ -96,32 +166,42 @@ class StagingRing:
     transfer is done. A buffer never sealed (e.g. a cast replaced it) is
     simply forgotten when the ring is full, never reused; so is one whose
     transfer was deleted (a batch donated to a step) before it was seen done.
+    A new buffer comes from ``spares`` (buffers of finished streams) where
+    one fits, else from fresh memory; :meth:`release` hands the ring's idle
+    buffers back there once its stream is over.
     """
 
-    def __init__(self, depth: int) -> None:
+    def __init__(self, depth: int, spares: Spares | None = SPARES) -> None:
         self.depth = max(1, depth)
+        self.spares = spares
         self._pools: dict[tuple, list[_Entry]] = {}
-        self.allocated = 0  # fresh buffers made (for tests and benchmarks)
+        self._lock = threading.Lock()  # the feeder's thread allocates; the consumer's may release
+        self.allocated = 0  # new buffers in this ring: fresh or spare (for tests and benchmarks)
+        self.from_spares = 0  # of which a finished stream's
 
     def alloc(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-        # Keyed by the dtype itself: ml_dtypes' float8/int4 kinds share one dtype.str ('<V1').
-        pool = self._pools.setdefault((tuple(shape), np.dtype(dtype)), [])
-        # A batch the consumer deleted or donated (``donate_argnums``) says nothing of its transfer any
-        # more (asking a deleted array crashes some jaxlibs): its buffer is forgotten, never lent again.
-        pool[:] = [e for e in pool if e.lent or not _deleted(e.guard)]
-        for i, e in enumerate(pool):  # oldest first
-            if not e.lent and _done(e.guard):
-                e.lent, e.guard = True, None
-                pool.append(pool.pop(i))
-                # A new array object over the same memory: JAX caches some conversions (e.g.
-                # int64 -> int32) by the array object, and must not see the old batch again.
-                return e.buf.view()
-        buf = aligned_empty(tuple(shape), np.dtype(dtype))
-        self.allocated += 1
-        pool.append(_Entry(buf))
-        if len(pool) > self.depth:
-            pool.pop(0)  # stop tracking the oldest: the garbage collector frees it once unused
-        return buf
+        shape, dtype = tuple(shape), np.dtype(dtype)
+        with self._lock:
+            # Keyed by the dtype itself: ml_dtypes' float8/int4 kinds share one dtype.str ('<V1').
+            pool = self._pools.setdefault((shape, dtype), [])
+            # A batch the consumer deleted or donated (``donate_argnums``) says nothing of its transfer any
+            # more (asking a deleted array crashes some jaxlibs): its buffer is forgotten, never lent again.
+            pool[:] = [e for e in pool if e.lent or not _deleted(e.guard)]
+            for i, e in enumerate(pool):  # oldest first
+                if not e.lent and _done(e.guard):
+                    e.lent, e.guard = True, None
+                    pool.append(pool.pop(i))
+                    # A new array object over the same memory: JAX caches some conversions (e.g.
+                    # int64 -> int32) by the array object, and must not see the old batch again.
+                    return e.buf.view()
+            spare = self.spares.take(shape, dtype) if self.spares is not None else None
+            buf = spare if spare is not None else aligned_empty(shape, dtype)
+            self.allocated += 1
+            self.from_spares += spare is not None
+            pool.append(_Entry(buf))
+            if len(pool) > self.depth:
+                pool.pop(0)  # stop tracking the oldest: the garbage collector frees it once unused
+            return buf.view() if spare is not None else buf
 
     def seal(self, batch: Mapping[str, np.ndarray], guards: Mapping[str, Any]) -> None:
         """Marks the buffers of ``batch`` as read by ``guards[column]`` (a transfer, or None when done)."""
@@ -130,10 +210,25 @@ class StagingRing:
 
     def read_by(self, buf: np.ndarray, guard: Any) -> None:
         """Marks ``buf``, if it is a buffer this ring lent, as read by ``guard`` (None: done)."""
-        for e in self._pools.get((buf.shape, buf.dtype), ()):
-            if e.lent and e.buf.ctypes.data == buf.ctypes.data:
-                e.lent, e.guard = False, guard
-                break
+        with self._lock:
+            for e in self._pools.get((buf.shape, buf.dtype), ()):
+                if e.lent and e.buf.ctypes.data == buf.ctypes.data:
+                    e.lent, e.guard = False, guard
+                    break
+
+    def release(self) -> None:
+        """The stream is over: idle buffers whose transfer is done go to ``spares``; the ring forgets them all.
+
+        A buffer still lent (being written, or never sealed) or whose
+        transfer is unfinished or was deleted stays out of ``spares``: it is
+        freed once unused. Idempotent; the ring may still lend fresh buffers.
+        """
+        with self._lock:
+            pools, self._pools = self._pools, {}
+        for pool in pools.values():
+            for e in pool:
+                if self.spares is not None and not e.lent and not _deleted(e.guard) and _done(e.guard):
+                    self.spares.give(e.buf)
 
 
 def _refs(pool: list[np.ndarray], i: int) -> int:

@@ -432,6 +432,8 @@ class _Feeder:
         self._stop.set()
         if self._alias_pool is not None:  # the buffers still held stay with their batches
             self._alias_pool.clear()
+        if self._ring is not None:  # idle staging buffers, already paged in, for the process's next stream
+            self._ring.release()
 
     def close(self, wait: bool = True) -> None:
         """Stops the prefetch thread; the iterator then ends (idempotent)."""
