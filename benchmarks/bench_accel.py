@@ -22,7 +22,8 @@ GB/s from the first batch on:
   staging buffer on the host: ``assemble="host"``), ``rayslice_uneven``
   (defaults, from 10,000-row blocks, which cut every batch at another place:
   no join layout recurs, and most chunks of a grid would cross a block's end,
-  so those are joined on the host), ``rayslice_large`` (defaults, from
+  so a batch is cut on the device out of the whole blocks that hold it, where
+  that sends at most twice its bytes, else joined on the host), ``rayslice_large`` (defaults, from
   100,000-row blocks, larger than a batch: a batch across a block's end is
   joined on a grid of equal chunks) and ``rayslice_large_host`` (the same,
   ``assemble="host"``). ``staging="pinned"``
@@ -128,7 +129,7 @@ def run(
     one = [{"data": src}]
     blocks = [{"data": src[i : i + REBATCH_ROWS]} for i in range(0, rows, REBATCH_ROWS)]
     # Blocks whose size is unrelated to the batch's: every batch cuts them at another place, so a
-    # stream meets more join layouts than it compiles (the rest are joined on the host).
+    # stream meets more join layouts than it compiles (the rest are cut out of whole blocks on the device).
     uneven = [{"data": src[i : i + UNEVEN_ROWS]} for i in range(0, rows, UNEVEN_ROWS)]
     # Blocks larger than any batch here, of a size unrelated to it (as Ray Data's blocks of up to
     # 128 MB often are): a batch across a block's end is joined on a grid of equal chunks.

@@ -285,3 +285,52 @@ def test_grid_chunks_across_block_ends_are_staged_in_reused_buffers():
     np.testing.assert_array_equal(np.asarray(out["x"]), x)
     assert t.ring.allocated == 2  # a fresh buffer: the donated batch's is never lent again
     t.close()
+
+
+@settings(max_examples=100, deadline=None)
+@given(sizes=st.lists(st.integers(1, 9), min_size=1, max_size=8), batch=st.integers(1, 20), data=st.data())
+def test_whole_blocks_hold_any_row_range_of_a_batch_from_where_they_say(sizes, batch, data):
+    src = blocks(sizes, width=2)
+    for b in host_batches(src, batch, lazy=True, skip_rows=data.draw(st.integers(0, 3))):
+        col = b["x"]
+        if not isinstance(col, Pieces):
+            continue
+        rows = np.asarray(col)
+        lo = data.draw(st.integers(0, len(col) - 1))
+        hi = data.draw(st.integers(lo + 1, len(col)))
+        found = col.blocks(lo, hi)
+        assert found is not None
+        whole, at = found
+        assert all(any(w is s["x"] for s in src) for w in whole)  # the source's own arrays, no copy
+        np.testing.assert_array_equal(np.concatenate(whole)[at : at + hi - lo], rows[lo:hi])
+    a = np.arange(10)
+    assert Pieces([a[2:5], a[6:]], origins=[(a, 2), (a, 6)]).blocks(0, 5) is None  # a gap: not consecutive
+    assert Pieces([a[2:5]]).blocks(0, 3) is None  # origins unknown
+
+
+def _block_stream(sizes, batch_size, grid_bytes, **kw):
+    it = iter_jax_batches(blocks(sizes, width=4), batch_size=batch_size, assemble="device", ragged="drop", **kw)
+    it._feeder._transfers.grid_bytes = grid_bytes  # before the first batch: the test's rows are small
+    return it
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [dict(pipeline="sync"), dict(pipeline="thread", transfer_threads=3), dict(pipeline="sync", transfer_threads=0)],
+)
+def test_small_blocks_whose_cuts_never_recur_are_joined_from_whole_blocks(kw):
+    # 30-row blocks into 256-row batches (64 rows per device): every batch is cut at other rows (no layout
+    # recurs in 15 batches), each device's rows lie in 3 or 4 blocks (90 or 120 rows sent for 64), and
+    # 32-row grid chunks (512 bytes of "x") would mostly cross an end: the whole blocks go as they are.
+    sizes = [30] * 120
+    want, _ = _all(iter_jax_batches(blocks(sizes, width=4), batch_size=256, assemble="host", ragged="drop"))
+    got, it = _all(_block_stream(sizes, 256, grid_bytes=400, **kw))
+    _same(got, want)
+    t = it._feeder._transfers
+    assert t.layouts.compiled == 0 and t.grid_joins == 0
+    assert 1 <= t.block_layouts.compiled <= 2 and t.block_joins == t.device_joins >= len(got) - 4  # 3 or 4 blocks
+    # Blocks under the minimum, or more than twice a device's rows, are joined on the host.
+    _, small = _all(_block_stream(sizes, 256, grid_bytes=1 << 20, **kw))
+    _, few = _all(_block_stream([100] * 36, 128, grid_bytes=400, **kw))  # 32 rows per device, 100-row blocks
+    for it in (small, few):
+        assert it._feeder._transfers.block_joins == 0 and it._feeder._transfers.layouts.refused > 0

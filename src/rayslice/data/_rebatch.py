@@ -112,10 +112,13 @@ def _shuffled(batches: Iterable[Batch], buffer_size: int, seed: int | None, out_
         yield {k: v[order] for k, v in buf.items()}
 
 
-def _assemble(parts: list[Batch], rows: int, alloc: Alloc, lazy: bool = False) -> Batch:
+def _assemble(
+    parts: list[Batch], rows: int, alloc: Alloc, lazy: bool = False, origins: list[tuple[Batch, int]] | None = None
+) -> Batch:
     """One batch from consecutive pieces: a piece alone as it is (a view), else each
     piece's rows written straight into one buffer from ``alloc`` (no concatenate);
-    with ``lazy``, a column whose pieces share a device dtype stays :class:`Pieces`."""
+    with ``lazy``, a column whose pieces share a device dtype stays :class:`Pieces`
+    (``origins``: each piece's source batch and first row there)."""
     if len(parts) == 1:
         return parts[0]
     first = parts[0]
@@ -126,7 +129,8 @@ def _assemble(parts: list[Batch], rows: int, alloc: Alloc, lazy: bool = False) -
             shapes = sorted({str(list(p[k].shape[1:])) for p in parts})
             raise ValueError(f"column {k!r} has different trailing shapes across source batches: {shapes}")
         if lazy and on_device(dtype) and all(p[k].dtype == dtype for p in parts):
-            out[k] = Pieces([p[k] for p in parts])  # type: ignore[assignment]  # joined on the device
+            blocks = [(b[k], at) for b, at in origins] if origins is not None else None
+            out[k] = Pieces([p[k] for p in parts], blocks)  # type: ignore[assignment]  # joined on the device
             continue
         out[k] = write_rows(alloc((rows, *v0.shape[1:]), dtype), [p[k] for p in parts])
     return out
@@ -139,6 +143,7 @@ def _rebatch(
     batch, else the pieces written into one staging buffer from ``alloc`` (``lazy``: kept as pieces)."""
     alloc = alloc or _plain_empty
     parts: list[Batch] = []
+    origins: list[tuple[Batch, int]] = []  # each part's source batch and first row there
     have = 0
     keys: set[str] | None = None
     for b in batches:
@@ -161,13 +166,14 @@ def _rebatch(
                 continue
             take = min(batch_size - have, n - start)
             parts.append({k: v[start : start + take] for k, v in b.items()})
+            origins.append((b, start))
             have += take
             start += take
             if have == batch_size:
-                yield _assemble(parts, batch_size, alloc, lazy)
-                parts, have = [], 0
+                yield _assemble(parts, batch_size, alloc, lazy, origins)
+                parts, origins, have = [], [], 0
     if have:
-        yield _assemble(parts, have, alloc, lazy)
+        yield _assemble(parts, have, alloc, lazy, origins)
 
 
 def check_source(source: Any) -> None:

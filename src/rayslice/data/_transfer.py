@@ -62,6 +62,9 @@ from rayslice.data._staging import StagingRing, aligned_empty
 from rayslice.data._storepin import StorePinning, store_pinning
 
 Batch = Mapping[str, np.ndarray]
+_Job = tuple[
+    list[np.ndarray], int | None
+]  # one device's arrays to transfer, and where its rows start in them (whole blocks)
 
 
 def _is_cuda(device: Any) -> bool:
@@ -120,9 +123,11 @@ class Transfers:
         self._index_maps: dict[tuple, list] = {}
         self._spans: dict[int, Any] = {}
         self.layouts = Layouts()
+        self.block_layouts = Layouts()  # the whole blocks' row counts per device, for joins of whole blocks
         self.grid_bytes = grid_bytes
         self.device_joins = 0  # columns joined on the devices (for tests and benchmarks)
         self.grid_joins = 0  # of which on a grid of equal chunks
+        self.block_joins = 0  # of which from whole blocks
 
     def _pinned_sharding(self, staging: str, device: Any) -> Any:
         """The batch sharding in ``pinned_host`` memory, or None to transfer from pageable memory."""
@@ -225,19 +230,53 @@ class Transfers:
             per_device.append(arrays)
         return per_device, staged
 
+    def _whole_blocks(self, col: Pieces, spans: list[tuple[Any, int, int]]) -> list[_Job] | None:
+        """Each device's rows of ``col`` as the whole source blocks that hold them and where they start
+        there (:meth:`Pieces.blocks`); None where a block is under ``grid_bytes`` or a device would
+        receive more than twice its rows (measured on a TPU v5e host: whole 5 MB blocks into
+        8-32 MB batches 0.57-0.90 of a contiguous ``device_put``, joined on the host 0.49-0.58;
+        into 4 MB batches, 2.2 times the bytes, 0.34 against 0.39)."""
+        jobs: list[_Job] = []
+        for _, a, b in spans:
+            whole = col.rows(a, b)
+            if len(whole) == 1:  # a device whose rows lie in one block takes them as they are
+                jobs.append((whole, None))
+                continue
+            found = col.blocks(a, b)
+            if found is None:
+                return None
+            blocks, at = found
+            if sum(map(len, blocks)) > 2 * (b - a) or min(x.nbytes for x in blocks) < self.grid_bytes:
+                return None
+            jobs.append((blocks, at))
+        return jobs
+
+    def _from_blocks(self, pieces: dict[str, Pieces], spans: list[tuple[Any, int, int]]) -> dict[str, list[_Job]]:
+        """:meth:`_whole_blocks` of the columns that allow it, where the batch's block shapes recur."""
+        cols = {k: jobs for k, col in pieces.items() if (jobs := self._whole_blocks(col, spans)) is not None}
+        if not cols:
+            return {}
+        # One compilation per device and block shapes: a batch's key is the set of its devices' shapes.
+        key = tuple(sorted({tuple(map(len, arrays)) for arrays, at in next(iter(cols.values())) if at is not None}))
+        return cols if self.block_layouts.admit(key) else {}
+
     def _join_on_devices(
-        self, cols: dict[str, list[list[np.ndarray]]], shapes: dict[str, tuple[int, ...]], spans: list
+        self, cols: dict[str, list[_Job]], shapes: dict[str, tuple[int, ...]], spans: list
     ) -> dict[str, Any]:
         """Global arrays of ``cols`` (per local device, the arrays to transfer and join there, in
-        ``spans``' order) of global shape ``shapes[k]``; every job is issued before any is waited on."""
+        ``spans``' order, and where its rows start in whole blocks) of global shape ``shapes[k]``;
+        every job is issued before any is waited on."""
         import jax
 
         jobs: dict[str, list[Any]] = {}
         for k, per_device in cols.items():
             if self._pool is not None:
-                jobs[k] = [self._pool.submit(join_on_device, arrays, d) for arrays, (d, _, _) in zip(per_device, spans)]
+                jobs[k] = [
+                    self._pool.submit(join_on_device, arrays, d, at, b - a)
+                    for (arrays, at), (d, a, b) in zip(per_device, spans)
+                ]
             else:
-                jobs[k] = [join_on_device(arrays, d) for arrays, (d, _, _) in zip(per_device, spans)]
+                jobs[k] = [join_on_device(arrays, d, at, b - a) for (arrays, at), (d, a, b) in zip(per_device, spans)]
         out = {}
         for k, fs in jobs.items():
             arrays = [f.result() for f in fs] if self._pool is not None else fs
@@ -252,21 +291,28 @@ class Transfers:
         transfer that reads it is done. :class:`Pieces` columns are joined on
         the devices: in their pieces where the batch's layout recurs, else on a
         grid of equal chunks once most batches' layouts have not recurred,
-        else on the host.
+        else from whole source blocks where their shapes recur, else on the
+        host.
         """
         pieces: dict[str, Pieces] = {k: v for k, v in dev.items() if isinstance(v, Pieces)}  # type: ignore[misc]
         if not pieces:
             return self._put_plain(dev, rows)
         spans, compiled = self._layout(next(iter(pieces.values())), rows)
-        cols: dict[str, list[list[np.ndarray]]] = {}
+        cols: dict[str, list[_Job]] = {}
         staged: dict[str, list[np.ndarray]] = {}
         if spans is not None and compiled:
-            cols = {k: [col.rows(a, b) for _, a, b in spans] for k, col in pieces.items()}
-        elif spans is not None and self.layouts.mostly_refused:
-            for k, col in pieces.items():
-                if (grid := self._grid(col, spans)) is not None:
-                    cols[k], staged[k] = grid
-            self.grid_joins += len(cols)
+            cols = {k: [(col.rows(a, b), None) for _, a, b in spans] for k, col in pieces.items()}
+        elif spans is not None:
+            if self.layouts.mostly_refused:
+                for k, col in pieces.items():
+                    if (grid := self._grid(col, spans)) is not None:
+                        cols[k] = [(arrays, None) for arrays in grid[0]]
+                        staged[k] = grid[1]
+                self.grid_joins += len(cols)
+            if left := {k: col for k, col in pieces.items() if k not in cols}:
+                whole = self._from_blocks(left, spans)
+                cols.update(whole)
+                self.block_joins += len(whole)
         shapes = {k: (rows * self.process_count, *pieces[k].shape[1:]) for k in cols}
         joined = self._join_on_devices(cols, shapes, spans or []) if cols else {}
         if self.ring is not None:  # a chunk's staging buffer is read by the join of its column
