@@ -71,7 +71,8 @@ from typing import Any
 
 import numpy as np
 
-#: Distinct batch layouts (piece lengths per device) one stream joins on the device; further ones join on the host.
+#: Distinct batch layouts (piece lengths per device, or whole blocks' shapes) one stream compiles, of each kind;
+#: a batch of neither kind compiled is joined on a grid or on the host.
 MAX_LAYOUTS = 16
 
 #: Smallest chunk of a grid join (bytes of one column on one device): smaller transfers cost more than

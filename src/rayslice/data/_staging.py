@@ -21,7 +21,9 @@ kernel compacted memory for huge pages. Columns of Python objects get a
 plain ``np.empty`` (never aliased, never reused).
 
 When a stream ends, the idle buffers of its ring are kept for the next
-stream of the process (:data:`SPARES`, at most ``SPARE_BYTES``): fresh memory
+stream of the process (:data:`SPARES`, at most ``SPARE_BYTES``, or the MiB
+that the environment variable ``RAYSLICE_STAGING_SPARES_MB`` gives, read at
+the process's first feeder; 0 keeps none): fresh memory
 costs far more than its copy on some hosts. On a TPU v5e host (no
 transparent huge pages) writing 32 MB into fresh memory took 38-45 ms
 against 2.5-3.7 ms into memory already paged in (16 MB: 5.5 against 1.5 ms;
@@ -48,6 +50,7 @@ Example:
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 from collections.abc import Mapping
@@ -59,6 +62,29 @@ ALIGN = 64  # bytes; what JAX's CPU client needs to alias a host buffer instead 
 
 #: Idle staging buffers a process keeps for its next stream, in bytes (the oldest are freed first).
 SPARE_BYTES = 1 << 30
+#: The environment variable that sets that, in MiB (0: none kept).
+SPARES_ENV = "RAYSLICE_STAGING_SPARES_MB"
+
+
+def spare_limit() -> int:
+    """Bytes of idle staging buffers to keep: ``RAYSLICE_STAGING_SPARES_MB`` MiB, else ``SPARE_BYTES``.
+
+    Example:
+        >>> spare_limit() == SPARE_BYTES or SPARES_ENV in os.environ
+        True
+    """
+    raw = os.environ.get(SPARES_ENV)
+    if raw is None:
+        return SPARE_BYTES
+    try:
+        mb = int(raw)
+    except ValueError:
+        mb = -1
+    if mb < 0:
+        from rayslice._validate import fail
+
+        raise fail(SPARES_ENV, raw, "a whole number of MiB >= 0 (0 keeps no idle staging buffers between streams)")
+    return mb << 20
 
 
 def aligned_empty(shape: tuple[int, ...], dtype: np.dtype, align: int = ALIGN) -> np.ndarray:
@@ -112,7 +138,7 @@ class Spares:
     or writes it (see :meth:`StagingRing.release`).
 
     Args:
-        limit: Bytes kept at most.
+        limit: Bytes kept at most (None: :func:`spare_limit`, read on first use).
 
     Example:
         >>> spares = Spares(limit=64)
@@ -122,18 +148,26 @@ class Spares:
         (48, True, None)
     """
 
-    def __init__(self, limit: int = SPARE_BYTES) -> None:
-        self.limit = limit
+    def __init__(self, limit: int | None = None) -> None:
+        self._limit = limit
         self.nbytes = 0
         self._bufs: list[np.ndarray] = []  # oldest first
         self._lock = threading.Lock()
 
+    @property
+    def limit(self) -> int:
+        """Bytes kept at most (the environment's is checked here: a bad value raises, naming it)."""
+        if self._limit is None:
+            self._limit = spare_limit()
+        return self._limit
+
     def give(self, buf: np.ndarray) -> None:
         """Keeps ``buf`` (an idle staging buffer) for a later stream."""
+        limit = self.limit
         with self._lock:
             self._bufs.append(buf)
             self.nbytes += buf.nbytes
-            while self.nbytes > self.limit:
+            while self.nbytes > limit:
                 self.nbytes -= self._bufs.pop(0).nbytes
 
     def take(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray | None:
@@ -174,6 +208,8 @@ class StagingRing:
     def __init__(self, depth: int, spares: Spares | None = SPARES) -> None:
         self.depth = max(1, depth)
         self.spares = spares
+        if spares is not None:
+            spares.limit  # noqa: B018  # a bad RAYSLICE_STAGING_SPARES_MB is refused now, before any stream starts
         self._pools: dict[tuple, list[_Entry]] = {}
         self._lock = threading.Lock()  # the feeder's thread allocates; the consumer's may release
         self.allocated = 0  # new buffers in this ring: fresh or spare (for tests and benchmarks)

@@ -15,8 +15,9 @@ devices of its sharding, column by column:
 * **in pieces** (a :class:`~rayslice.data._pieces.Pieces` column, a batch
   spanning source blocks under ``assemble="device"``): each device's rows
   of each piece transferred as they are and joined on that device; in a
-  stream whose layouts do not recur, on a grid of equal chunks, or joined on
-  the host first (see :mod:`~rayslice.data._pieces`).
+  stream whose layouts do not recur, on a grid of equal chunks, or cut on
+  the device out of the whole source blocks that hold its rows, or joined
+  on the host first (see :mod:`~rayslice.data._pieces`).
 
 Measured on an H200 host (docs/performance.md, *GPU host*), for 8-32 MB
 batches: the feeder with pageable ``device_put`` 14-18 GB/s, through
@@ -246,7 +247,9 @@ class Transfers:
             if found is None:
                 return None
             blocks, at = found
-            if sum(map(len, blocks)) > 2 * (b - a) or min(x.nbytes for x in blocks) < self.grid_bytes:
+            sent = sum(map(len, blocks))
+            # The cut must lie inside the blocks: the device would clamp it, silently, to other rows.
+            if sent > 2 * (b - a) or at + b - a > sent or min(x.nbytes for x in blocks) < self.grid_bytes:
                 return None
             jobs.append((blocks, at))
         return jobs
@@ -256,8 +259,11 @@ class Transfers:
         cols = {k: jobs for k, col in pieces.items() if (jobs := self._whole_blocks(col, spans)) is not None}
         if not cols:
             return {}
-        # One compilation per device and block shapes: a batch's key is the set of its devices' shapes.
-        key = tuple(sorted({tuple(map(len, arrays)) for arrays, at in next(iter(cols.values())) if at is not None}))
+        # One compilation per device, block shapes and rows cut: a batch's key is the set of its devices' own.
+        jobs = next(iter(cols.values()))
+        key = tuple(
+            sorted({(tuple(map(len, arrays)), b - a) for (arrays, at), (_, a, b) in zip(jobs, spans) if at is not None})
+        )
         return cols if self.block_layouts.admit(key) else {}
 
     def _join_on_devices(

@@ -196,8 +196,11 @@ class FeederOptions:
             transferred as they are, then joined on the device: one host copy
             fewer; only piece layouts that recur are compiled, at most 16 per
             stream; where layouts do not recur, blocks larger than the batch's
-            4 MB chunks are joined on a grid of equal chunks, other batches on
-            the host) or ``"auto"``
+            4 MB chunks are joined on a grid of equal chunks, and blocks of
+            at least 4 MB that a grid would cut mostly across their ends are
+            sent whole and the batch cut out of them on the device, where
+            that sends at most twice its rows and their shapes recur (at most
+            16 more per stream); other batches on the host) or ``"auto"``
             (default: ``"device"`` on TPUs, where it reached the full
             ``device_put`` rate on a TPU v5e host against about a third of it
             joined on the host; ``"host"`` elsewhere: on CPU devices an aligned
