@@ -228,23 +228,28 @@ def test_staging_buffers_of_dtypes_with_one_byte_string_are_never_confused():
     assert pool.alloc((4,), b).dtype == b
 
 
-def _grid_stream(sizes, batch_size, grid_bytes, **kw):
+# One device join's settings: no thread, the prefetch thread with a transfer pool, and no pool.
+PIPELINES = [
+    dict(pipeline="sync"),
+    dict(pipeline="thread", transfer_threads=3),
+    dict(pipeline="sync", transfer_threads=0),
+]
+
+
+def _device_stream(sizes, batch_size, grid_bytes, **kw):
     it = iter_jax_batches(blocks(sizes, width=4), batch_size=batch_size, assemble="device", ragged="drop", **kw)
     it._feeder._transfers.grid_bytes = grid_bytes  # before the first batch: the test's rows are small
     return it
 
 
-@pytest.mark.parametrize(
-    "kw",
-    [dict(pipeline="sync"), dict(pipeline="thread", transfer_threads=3), dict(pipeline="sync", transfer_threads=0)],
-)
+@pytest.mark.parametrize("kw", PIPELINES)
 def test_blocks_larger_than_the_batch_join_on_a_grid_once_no_layout_recurs(kw):
     # Blocks of 151-383 rows, batches of 128 (32 rows per device): 9 batches span two blocks, each cut
     # at another row (no layout recurs), inside one chunk of one device's rows: 8 chunks of 4 rows of
     # "x" (4 float32, 16 bytes a row), 4 of 8 rows of "id" (8 bytes a row), at least 64 bytes each.
     sizes = [367, 163, 190, 206, 190, 364, 383, 303, 151, 166]
     want, _ = _all(iter_jax_batches(blocks(sizes, width=4), batch_size=128, assemble="host", ragged="drop"))
-    got, it = _all(_grid_stream(sizes, 128, grid_bytes=64, **kw))
+    got, it = _all(_device_stream(sizes, 128, grid_bytes=64, **kw))
     _same(got, want)
     t = it._feeder._transfers
     assert t.layouts.compiled == 0 and t.layouts.refused == 9  # nothing recurs ...
@@ -254,11 +259,11 @@ def test_blocks_larger_than_the_batch_join_on_a_grid_once_no_layout_recurs(kw):
 
 def test_a_grid_join_never_cuts_into_chunks_smaller_than_its_minimum_nor_mostly_across_ends():
     sizes = [367, 163, 190, 206, 190, 364, 383, 303, 151, 166]
-    _, big = _all(_grid_stream(sizes, 128, grid_bytes=1 << 20))  # 1 MB chunks: none in 32 rows
+    _, big = _all(_device_stream(sizes, 128, grid_bytes=1 << 20))  # 1 MB chunks: none in 32 rows
     assert big._feeder._transfers.layouts.refused == 9 and big._feeder._transfers.grid_joins == 0
     small = [3, 5, 4, 6, 7, 2, 5, 3, 4, 6] * 16  # every 4-row chunk but a few crosses a block's end
     want, _ = _all(iter_jax_batches(blocks(small, width=4), batch_size=128, ragged="drop"))
-    got, it = _all(_grid_stream(small, 128, grid_bytes=64))
+    got, it = _all(_device_stream(small, 128, grid_bytes=64))
     _same(got, want)
     assert it._feeder._transfers.layouts.mostly_refused and it._feeder._transfers.grid_joins == 0
 
@@ -308,29 +313,20 @@ def test_whole_blocks_hold_any_row_range_of_a_batch_from_where_they_say(sizes, b
     assert Pieces([a[2:5]]).blocks(0, 3) is None  # origins unknown
 
 
-def _block_stream(sizes, batch_size, grid_bytes, **kw):
-    it = iter_jax_batches(blocks(sizes, width=4), batch_size=batch_size, assemble="device", ragged="drop", **kw)
-    it._feeder._transfers.grid_bytes = grid_bytes  # before the first batch: the test's rows are small
-    return it
-
-
-@pytest.mark.parametrize(
-    "kw",
-    [dict(pipeline="sync"), dict(pipeline="thread", transfer_threads=3), dict(pipeline="sync", transfer_threads=0)],
-)
+@pytest.mark.parametrize("kw", PIPELINES)
 def test_small_blocks_whose_cuts_never_recur_are_joined_from_whole_blocks(kw):
     # 30-row blocks into 256-row batches (64 rows per device): every batch is cut at other rows (no layout
     # recurs in 15 batches), each device's rows lie in 3 or 4 blocks (90 or 120 rows sent for 64), and
     # 32-row grid chunks (512 bytes of "x") would mostly cross an end: the whole blocks go as they are.
     sizes = [30] * 120
     want, _ = _all(iter_jax_batches(blocks(sizes, width=4), batch_size=256, assemble="host", ragged="drop"))
-    got, it = _all(_block_stream(sizes, 256, grid_bytes=400, **kw))
+    got, it = _all(_device_stream(sizes, 256, grid_bytes=400, **kw))
     _same(got, want)
     t = it._feeder._transfers
     assert t.layouts.compiled == 0 and t.grid_joins == 0
     assert 1 <= t.block_layouts.compiled <= 2 and t.block_joins == t.device_joins >= len(got) - 4  # 3 or 4 blocks
     # Blocks under the minimum, or more than twice a device's rows, are joined on the host.
-    _, small = _all(_block_stream(sizes, 256, grid_bytes=1 << 20, **kw))
-    _, few = _all(_block_stream([100] * 36, 128, grid_bytes=400, **kw))  # 32 rows per device, 100-row blocks
+    _, small = _all(_device_stream(sizes, 256, grid_bytes=1 << 20, **kw))
+    _, few = _all(_device_stream([100] * 36, 128, grid_bytes=400, **kw))  # 32 rows per device, 100-row blocks
     for it in (small, few):
         assert it._feeder._transfers.block_joins == 0 and it._feeder._transfers.layouts.refused > 0
