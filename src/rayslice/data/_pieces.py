@@ -49,7 +49,7 @@ That sends up to twice a batch's bytes, so it is used where every block is
 at least ``GRID_MIN_BYTES`` and a device receives at most twice its rows:
 blocks of one size smaller than a batch. TPU v5e, 10,000-row (5 MB) blocks
 into 8 / 16 / 32 MB batches in the feeder: 0.54 / 0.77 / 0.83 of the limit
-against 0.38-0.46 joined on the host (4 MB batches, 2.2 times the bytes,
+against 0.38-0.46 joined on the host (4 MB batches, 2.5 times the bytes,
 stay on the host: 0.37).
 
 Example:
