@@ -215,7 +215,10 @@ def test_crash_mid_save_keeps_the_previous_checkpoint(ray_cluster, tmp_path):
 
 
 def test_two_slices_one_mesh(ray_cluster, tmp_path):
-    sc = ScalingConfig(topology="2x2x2", accelerator_type="TPU-V4", num_slices=2, init_timeout_s=120)
+    # A reservation that cannot complete fails within the test's timeout, saying why (the slices' states).
+    sc = ScalingConfig(
+        topology="2x2x2", accelerator_type="TPU-V4", num_slices=2, init_timeout_s=120, reservation_timeout_s=120
+    )
     result = JaxTrainer(
         train_loops.regression_loop,
         train_loop_config={"rows": 32, "every": 100},
