@@ -23,10 +23,10 @@ GB/s from the first batch on:
   (defaults, from 10,000-row blocks, which cut every batch at another place:
   no join layout recurs, and most chunks of a grid would cross a block's end,
   so a batch is cut on the device out of the whole blocks that hold it, where
-  that sends at most twice its bytes, else joined on the host), ``rayslice_large`` (defaults, from
-  100,000-row blocks, larger than a batch: a batch across a block's end is
-  joined on a grid of equal chunks) and ``rayslice_large_host`` (the same,
-  ``assemble="host"``). ``staging="pinned"``
+  that sends at most twice its bytes, else joined on the host),
+  ``rayslice_large`` (defaults, from 100,000-row blocks, larger than a batch:
+  a batch across a block's end is joined on a grid of equal chunks) and
+  ``rayslice_large_host`` (the same, ``assemble="host"``). ``staging="pinned"``
   is left out: ``to_pinned`` and ``pinned`` are its two halves (on a TPU v5e
   host the feeder ran at 0.21-0.25 GB/s that way). The first (warm-up) pass
   of each, which compiles the device joins, is reported apart (``warm_up_pass_ms``);

@@ -237,7 +237,7 @@ class StagingRing:
             pool.append(_Entry(buf))
             if len(pool) > self.depth:
                 pool.pop(0)  # stop tracking the oldest: the garbage collector frees it once unused
-            return buf.view() if spare is not None else buf
+            return buf.view()  # a spare was another stream's batch: a new array object too, as above
 
     def seal(self, batch: Mapping[str, np.ndarray], guards: Mapping[str, Any]) -> None:
         """Marks the buffers of ``batch`` as read by ``guards[column]`` (a transfer, or None when done)."""
@@ -261,9 +261,11 @@ class StagingRing:
         """
         with self._lock:
             pools, self._pools = self._pools, {}
+        if self.spares is None:
+            return
         for pool in pools.values():
             for e in pool:
-                if self.spares is not None and not e.lent and not _deleted(e.guard) and _done(e.guard):
+                if not e.lent and not _deleted(e.guard) and _done(e.guard):
                     self.spares.give(e.buf)
 
 

@@ -63,9 +63,8 @@ from rayslice.data._staging import StagingRing, aligned_empty
 from rayslice.data._storepin import StorePinning, store_pinning
 
 Batch = Mapping[str, np.ndarray]
-_Job = tuple[
-    list[np.ndarray], int | None
-]  # one device's arrays to transfer, and where its rows start in them (whole blocks)
+#: One device's arrays to transfer, and where its rows start in them (whole blocks; None: joined as they are).
+_Job = tuple[list[np.ndarray], int | None]
 
 
 def _is_cuda(device: Any) -> bool:
@@ -124,7 +123,7 @@ class Transfers:
         self._index_maps: dict[tuple, list] = {}
         self._spans: dict[int, Any] = {}
         self.layouts = Layouts()
-        self.block_layouts = Layouts()  # the whole blocks' row counts per device, for joins of whole blocks
+        self.block_layouts = Layouts()  # which whole blocks' shapes (and rows cut) a stream compiles cuts for
         self.grid_bytes = grid_bytes
         self.device_joins = 0  # columns joined on the devices (for tests and benchmarks)
         self.grid_joins = 0  # of which on a grid of equal chunks
