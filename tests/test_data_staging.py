@@ -3,6 +3,9 @@ pinned staging and per-device transfers (exercised on CPU devices, where they ar
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import jax
 import numpy as np
 import pytest
@@ -92,6 +95,93 @@ def test_a_buffer_whose_batch_was_donated_is_never_lent_again():
     batch.delete()
     again = ring.alloc((4,), np.dtype("float32"))
     assert not np.shares_memory(again, buf) and ring.allocated == 2
+
+
+def test_the_ring_asks_its_own_handles_never_the_consumers_array():
+    # The consumer may delete its batch on its own thread between any two questions the ring asks
+    # about it; asking a deleted array object whether it is ready crashes jaxlib 0.10. The ring asks
+    # views of the array's per-device buffers, which see the deletion as an error it can catch.
+    class Shard:
+        def __init__(self, data):
+            self.data = data
+
+    class Handle:
+        def __init__(self):
+            self.done, self.deleted, self.raises = False, False, False
+
+        def is_ready(self):
+            if self.raises:
+                raise RuntimeError("Array has been deleted.")
+            return self.done
+
+        def is_deleted(self):
+            return self.deleted
+
+    class ConsumersArray:
+        def __init__(self, handles):
+            self.addressable_shards = [Shard(h) for h in handles]
+
+        def is_ready(self):
+            raise AssertionError("asked the consumer's array")
+
+        is_deleted = is_ready
+
+    f32 = np.dtype("float32")
+    ring = StagingRing(depth=8, spares=None)
+    bufs = [ring.alloc((4,), f32) for _ in range(3)]
+    handles = [[Handle(), Handle()] for _ in bufs]  # two devices each
+    ring.seal({str(i): b for i, b in enumerate(bufs)}, {str(i): ConsumersArray(h) for i, h in enumerate(handles)})
+    got = ring.alloc((4,), f32)
+    assert not any(np.shares_memory(got, b) for b in bufs)  # all three copies still running
+    handles[0][0].done = True
+    got = ring.alloc((4,), f32)
+    assert not any(np.shares_memory(got, b) for b in bufs)  # one device of two is not enough
+    for h in handles[0] + handles[1] + handles[2]:
+        h.done = True
+    handles[1][1].deleted = True  # donated: its state is unknown
+    handles[2][0].raises = True  # deleted between the two questions
+    assert np.shares_memory(ring.alloc((4,), f32), bufs[0])
+    got = ring.alloc((4,), f32)
+    assert not any(np.shares_memory(got, b) for b in bufs[1:]) and ring.allocated == 6  # forgotten, never lent again
+
+
+_DONATING_CONSUMER = """
+import queue, sys, threading
+import jax, numpy as np
+from rayslice.data._staging import StagingRing
+
+ring, q = StagingRing(depth=4, spares=None), queue.Queue(maxsize=8)
+slow = jax.jit(lambda x: x @ x.T @ x)  # its result is ready some time after the call returns
+step = jax.jit(lambda x: x * 2, donate_argnums=0)
+errors = []
+
+def produce():
+    try:
+        for i in range(3000):
+            buf = ring.alloc((16, 4096), np.dtype("float32"))
+            buf[0, 0] = i
+            batch = slow(jax.device_put(buf, may_alias=False))
+            ring.seal({"x": buf}, {"x": batch})
+            q.put(batch)
+            del batch
+    except BaseException as e:
+        errors.append(e)
+    q.put(None)
+
+threading.Thread(target=produce).start()
+while (batch := q.get()) is not None:
+    step(batch) if sys.argv[1] == "donate" else batch.delete()
+    del batch
+print(errors or "ok", ring.allocated)
+"""
+
+
+@pytest.mark.parametrize("how", ["donate", "delete"])
+def test_a_consumer_deleting_its_batches_on_its_own_thread_never_breaks_the_ring(how):
+    # Before the ring asked its own handles, this ended in "Array has been deleted" raised on the
+    # feeder's thread (donation) or in a segfault (delete), 3 runs out of 3 each.
+    out = subprocess.run([sys.executable, "-c", _DONATING_CONSUMER, how], capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0 and out.stdout.startswith("ok"), (out.returncode, out.stdout, out.stderr[-2000:])
 
 
 def test_a_finished_rings_idle_buffers_go_to_the_next_ring_and_no_others():

@@ -114,20 +114,50 @@ class _Entry:
     __slots__ = ("buf", "guard", "lent")
 
     def __init__(self, buf: np.ndarray) -> None:
-        self.buf, self.guard, self.lent = buf, None, True
+        self.buf, self.lent = buf, True
+        self.guard: tuple[Any, ...] = ()  # the handles of the transfer that reads buf (see _readers)
 
 
-def _done(guard: Any) -> bool:
+# What the ring knows of the transfer that reads a buffer (:func:`_state`).
+_RUNNING, _DONE, _DELETED = "running", "done", "deleted"
+
+
+def _readers(guard: Any) -> tuple[Any, ...]:
+    """The ring's own handles on the transfer ``guard`` (a ``jax.Array``; None: nothing to wait for).
+
+    Never the consumer's array object itself: a consumer may donate or delete
+    that array on its own thread at any moment, also between two questions
+    of the ring (``is_deleted``, then ``is_ready``), and in jaxlib 0.10 asking
+    a donated array whether it is ready raises, and asking one deleted by
+    ``delete()`` crashes the process. Views of the array's per-device buffers
+    see the deletion too, but as an error the ring catches. Objects without
+    shards (tests' stand-ins) are asked as they are.
+    """
     if guard is None:
-        return True
-    ready = getattr(guard, "is_ready", None)
-    return bool(ready()) if ready is not None else True
+        return ()
+    shards = getattr(guard, "addressable_shards", None)
+    if shards is None:
+        return (guard,)
+    return tuple(s.data for s in shards)
 
 
-def _deleted(guard: Any) -> bool:
-    """Whether the transfer guarding a buffer was deleted (e.g. donated to a step): its state is unknown."""
-    deleted = getattr(guard, "is_deleted", None)
-    return bool(deleted()) if deleted is not None else False
+def _state(readers: tuple[Any, ...]) -> str:
+    """Whether the transfer read by ``readers`` is running, done, or deleted (e.g. donated to a step).
+
+    A deleted transfer says nothing of its state any more: its buffer is
+    forgotten, never lent again.
+    """
+    running = False
+    for r in readers:
+        deleted = getattr(r, "is_deleted", None)
+        try:
+            if deleted is not None and deleted():
+                return _DELETED
+            ready = getattr(r, "is_ready", None)
+            running = running or (ready is not None and not ready())
+        except RuntimeError:  # deleted between the two questions (jax.errors.JaxRuntimeError)
+            return _DELETED
+    return _RUNNING if running else _DONE
 
 
 class Spares:
@@ -221,15 +251,22 @@ class StagingRing:
             # Keyed by the dtype itself: ml_dtypes' float8/int4 kinds share one dtype.str ('<V1').
             pool = self._pools.setdefault((shape, dtype), [])
             # A batch the consumer deleted or donated (``donate_argnums``) says nothing of its transfer any
-            # more (asking a deleted array crashes some jaxlibs): its buffer is forgotten, never lent again.
-            pool[:] = [e for e in pool if e.lent or not _deleted(e.guard)]
-            for i, e in enumerate(pool):  # oldest first
-                if not e.lent and _done(e.guard):
-                    e.lent, e.guard = True, None
-                    pool.append(pool.pop(i))
-                    # A new array object over the same memory: JAX caches some conversions (e.g.
-                    # int64 -> int32) by the array object, and must not see the old batch again.
-                    return e.buf.view()
+            # more: its buffer is forgotten, never lent again.
+            kept, idle = [], None
+            for e in pool:  # oldest first
+                state = None if e.lent else _state(e.guard)
+                if state != _DELETED:
+                    kept.append(e)
+                if idle is None and state == _DONE:
+                    idle = e
+            pool[:] = kept
+            if idle is not None:
+                pool.remove(idle)
+                pool.append(idle)
+                idle.lent, idle.guard = True, ()
+                # A new array object over the same memory: JAX caches some conversions (e.g.
+                # int64 -> int32) by the array object, and must not see the old batch again.
+                return idle.buf.view()
             spare = self.spares.take(shape, dtype) if self.spares is not None else None
             buf = spare if spare is not None else aligned_empty(shape, dtype)
             self.allocated += 1
@@ -245,11 +282,14 @@ class StagingRing:
             self.read_by(a, guards.get(k))
 
     def read_by(self, buf: np.ndarray, guard: Any) -> None:
-        """Marks ``buf``, if it is a buffer this ring lent, as read by ``guard`` (None: done)."""
+        """Marks ``buf``, if it is a buffer this ring lent, as read by ``guard`` (None: done).
+
+        Call it before the consumer can see ``guard`` (see :func:`_readers`).
+        """
         with self._lock:
             for e in self._pools.get((buf.shape, buf.dtype), ()):
                 if e.lent and e.buf.ctypes.data == buf.ctypes.data:
-                    e.lent, e.guard = False, guard
+                    e.lent, e.guard = False, _readers(guard)
                     break
 
     def release(self) -> None:
@@ -265,7 +305,7 @@ class StagingRing:
             return
         for pool in pools.values():
             for e in pool:
-                if not e.lent and not _deleted(e.guard) and _done(e.guard):
+                if not e.lent and _state(e.guard) == _DONE:
                     self.spares.give(e.buf)
 
 
