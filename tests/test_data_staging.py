@@ -145,6 +145,27 @@ def test_the_ring_asks_its_own_handles_never_the_consumers_array():
     assert not any(np.shares_memory(got, b) for b in bufs[1:]) and ring.allocated == 6  # forgotten, never lent again
 
 
+def test_a_copy_once_seen_done_stays_done_when_its_batch_is_donated_later():
+    class Handle:
+        deleted = False
+
+        def is_ready(self):
+            assert not self.deleted, "asked again after it was seen done"
+            return True
+
+        def is_deleted(self):
+            return self.deleted
+
+    f32 = np.dtype("float32")
+    ring = StagingRing(depth=4, spares=None)
+    a, b = ring.alloc((4,), f32), ring.alloc((4,), f32)
+    hb = Handle()
+    ring.seal({"a": a, "b": b}, {"a": Handle(), "b": hb})
+    assert np.shares_memory(ring.alloc((4,), f32), a)  # the oldest done one; b is seen done on the way
+    hb.deleted = True  # the step donates b's batch afterwards
+    assert np.shares_memory(ring.alloc((4,), f32), b) and ring.allocated == 2
+
+
 _DONATING_CONSUMER = """
 import queue, sys, threading
 import jax, numpy as np

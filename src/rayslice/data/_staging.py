@@ -255,10 +255,11 @@ class StagingRing:
             kept, idle = [], None
             for e in pool:  # oldest first
                 state = None if e.lent else _state(e.guard)
+                if state == _DONE:
+                    e.guard = ()  # known done: a later deletion of its batch changes nothing
+                    idle = idle or e
                 if state != _DELETED:
                     kept.append(e)
-                if idle is None and state == _DONE:
-                    idle = e
             pool[:] = kept
             if idle is not None:
                 pool.remove(idle)
