@@ -28,12 +28,16 @@ GB/s from the first batch on:
   a batch across a block's end is joined on a grid of equal chunks) and
   ``rayslice_large_host`` (the same, ``assemble="host"``). ``staging="pinned"``
   is left out: ``to_pinned`` and ``pinned`` are its two halves (on a TPU v5e
-  host the feeder ran at 0.21-0.25 GB/s that way). The first (warm-up) pass
+  host the feeder ran at 0.21-0.25 GB/s that way). ``rayslice_host_kept`` and
+  ``rayslice_host_donated``: 8k-row blocks joined on the host, each batch
+  through a jitted ``x * 2`` that keeps it or donates it (``donate_argnums``:
+  the batch is deleted, often before the staging ring saw its copy done).
+  The first (warm-up) pass
   of each, which compiles the device joins, is reported apart (``warm_up_pass_ms``);
 * ratios per round: ``vs_best``, ``vs_pinned``, ``vs_pageable`` (rayslice's
   defaults), ``blocks_vs_best``, ``blocks_host_vs_best``, ``uneven_vs_best``,
-  ``large_vs_best``, ``large_host_vs_best`` and ``best_feeder_vs_best`` (the
-  feeder's fastest setting).
+  ``large_vs_best``, ``large_host_vs_best``, ``best_feeder_vs_best`` (the
+  feeder's fastest setting) and ``donated_vs_kept``.
 
 Then a ~5 ms jitted step on data already on the device (``resident``) and fed:
 by the feeder (its defaults, ``pipeline="sync"``, and from 8k-row blocks joined
@@ -170,6 +174,13 @@ def run(
             "rayslice_large": feeder(large, bs),
             "rayslice_large_host": feeder(large, bs, assemble="host"),
         }
+        feeding = list(methods)
+        # A step that donates its batch (``donate_argnums``) deletes it before the staging ring may
+        # have seen its copy done; against the same step keeping it (both read the step's output).
+        methods["rayslice_host_kept"] = _through(feeder(blocks, bs, assemble="host"), jax.jit(lambda x: x * 2))
+        methods["rayslice_host_donated"] = _through(
+            feeder(blocks, bs, assemble="host"), jax.jit(lambda x: x * 2, donate_argnums=0)
+        )
         # Warm-up: pages in, and compiles the device joins of the block sources (reported).
         warm_up = {name: 1e3 * _time(fn, n) for name, fn in methods.items()}
         per: dict[str, list[float]] = {}
@@ -182,11 +193,14 @@ def run(
                 per.setdefault(name, []).append(_gbps(steady * row_bytes, total - t_first))
                 first.setdefault(name, []).append(1e3 * t_first)
         best = [max(per[k][i] for k in LIMITS if k in per) for i in range(repeats)]
-        feeders = [max(per[k][i] for k in methods) for i in range(repeats)]
+        feeders = [max(per[k][i] for k in feeding) for i in range(repeats)]
         entry: dict[str, Any] = {k: _spread(v) for k, v in per.items()}
         for ratio, method in VS_BEST.items():
             entry[ratio] = _spread([a / b for a, b in zip(per[method], best)])
         entry["best_feeder_vs_best"] = _spread([a / b for a, b in zip(feeders, best)])
+        entry["donated_vs_kept"] = _spread(
+            [a / b for a, b in zip(per["rayslice_host_donated"], per["rayslice_host_kept"])]
+        )
         for ref in ("pinned", "pageable"):
             if ref in per:
                 entry[f"vs_{ref}"] = _spread([a / b for a, b in zip(per["rayslice"], per[ref])])
@@ -238,6 +252,11 @@ UNEVEN_ROWS = 10_000  # rows per block of the uneven source (not a divisor of an
 LARGE_ROWS = 100_000  # rows per block of the large source (51 MB: larger than any batch here, not a multiple)
 
 
+def _through(fn: Callable[[], Iterable[Any]], step: Any) -> Callable[[], Iterable[Any]]:
+    """``fn``'s stream with each batch's ``data`` replaced by ``step(data)``."""
+    return lambda: ({**b, "data": step(b["data"])} for b in fn())
+
+
 def _plain_thread(jax: Any, views: list[Any], sharding: Any, depth: int = 2) -> Iterable[Any]:
     """Batches put by a plain thread into a ``depth``-deep queue (no feeder): a reference pipeline."""
     q: queue.Queue[Any] = queue.Queue(maxsize=depth)
@@ -264,7 +283,7 @@ def _print(r: dict[str, Any]) -> None:
         f"memory kinds {r['memory_kinds']}; defaults here {r['defaults']}; {r['repeats']} rounds",
         file=sys.stderr,
     )
-    ratios = (*VS_BEST, "best_feeder_vs_best", "vs_pinned", "vs_pageable")
+    ratios = (*VS_BEST, "best_feeder_vs_best", "donated_vs_kept", "vs_pinned", "vs_pageable")
     for size, e in r["sizes"].items():
         bw = "  ".join(f"{k} {v['median']:.1f}" for k, v in e.items() if k not in ratios and not k.endswith("_ms"))
         print(f"  {size:>5}: GB/s from the first batch on: {bw}", file=sys.stderr)

@@ -12,7 +12,8 @@ Two kinds of buffer:
   alone gives 16-byte alignment for large arrays, which JAX copies.
 * **reused after the copy** (:class:`StagingRing`): where the transfer copies
   the buffer (accelerators, or pinned staging), the same few buffers are
-  reused once the copy that read them has finished.
+  reused once the copy that read them has finished (a TPU reads the buffer
+  after ``device_put`` returns), also where the step donated the batch.
 
 Either way, once a stream is under way, batches are written into memory
 already paged in: writing a 32 MB batch into a fresh buffer took ~4 ms on a
@@ -111,11 +112,12 @@ def is_aligned(a: np.ndarray, align: int = ALIGN) -> bool:
 
 
 class _Entry:
-    __slots__ = ("buf", "guard", "lent")
+    __slots__ = ("buf", "guard", "lent", "orphan")
 
     def __init__(self, buf: np.ndarray) -> None:
         self.buf, self.lent = buf, True
         self.guard: tuple[Any, ...] = ()  # the handles of the transfer that reads buf (see _readers)
+        self.orphan = False  # its batch was deleted before its copy was seen done (see StagingRing._state)
 
 
 # What the ring knows of the transfer that reads a buffer (:func:`_state`).
@@ -144,8 +146,8 @@ def _readers(guard: Any) -> tuple[Any, ...]:
 def _state(readers: tuple[Any, ...]) -> str:
     """Whether the transfer read by ``readers`` is running, done, or deleted (e.g. donated to a step).
 
-    A deleted transfer says nothing of its state any more: its buffer is
-    forgotten, never lent again.
+    A deleted transfer says nothing of its state any more (see
+    :meth:`StagingRing._state` for what the ring does then).
     """
     running = False
     for r in readers:
@@ -227,9 +229,10 @@ class StagingRing:
 
     ``alloc`` lends a buffer; ``seal`` says which transfer (a ``jax.Array``
     with ``is_ready()``) reads it; the buffer is lent again only once that
-    transfer is done. A buffer never sealed (e.g. a cast replaced it) is
-    simply forgotten when the ring is full, never reused; so is one whose
-    transfer was deleted (a batch donated to a step) before it was seen done.
+    transfer is done (or, where the consumer deleted or donated the batch
+    before that was seen, once nothing references the buffer any more:
+    :meth:`_state`). A buffer never sealed (e.g. a cast replaced it) is
+    simply forgotten when the ring is full, never reused.
     A new buffer comes from ``spares`` (buffers of finished streams) where
     one fits, else from fresh memory; :meth:`release` hands the ring's idle
     buffers back there once its stream is over.
@@ -242,29 +245,48 @@ class StagingRing:
             spares.limit  # noqa: B018  # a bad RAYSLICE_STAGING_SPARES_MB is refused now, before any stream starts
         self._pools: dict[tuple, list[_Entry]] = {}
         self._lock = threading.Lock()  # the feeder's thread allocates; the consumer's may release
+        self._unreferenced = _memory_refs(aligned_empty((1,), np.dtype("uint8")))  # of memory only its buffer holds
         self.allocated = 0  # new buffers in this ring: fresh or spare (for tests and benchmarks)
         self.from_spares = 0  # of which a finished stream's
+
+    def _state(self, e: _Entry) -> str:
+        """Whether the copy that reads the idle buffer of ``e`` is done (then the buffer may be written again).
+
+        Asked of the copy's own handles while its batch lives; once it was seen
+        done, that is remembered (the batch may be donated later). A batch
+        deleted or donated (``donate_argnums``) before its copy was seen done
+        no longer tells: then the buffer is done once nothing references it.
+        JAX holds a reference to the host array it copies from until the copy
+        is done (on a TPU v5e it reads the buffer after ``device_put``
+        returns, and lets go of it once the copy is done, donated or not).
+        """
+        if not e.orphan:
+            state = _state(e.guard)
+            if state != _DELETED:
+                if state == _DONE:
+                    e.guard = ()  # known done: a later deletion of its batch changes nothing
+                return state
+            e.guard, e.orphan = (), True
+        if e.buf.base is None:  # not one of aligned_empty's views: no reference count to go by
+            return _RUNNING
+        if _memory_refs(e.buf) == self._unreferenced:
+            return _DONE
+        _release_jax_references()  # JAX lets go of finished copies' arrays in batches: now, then look again
+        return _DONE if _memory_refs(e.buf) == self._unreferenced else _RUNNING
 
     def alloc(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         shape, dtype = tuple(shape), np.dtype(dtype)
         with self._lock:
             # Keyed by the dtype itself: ml_dtypes' float8/int4 kinds share one dtype.str ('<V1').
             pool = self._pools.setdefault((shape, dtype), [])
-            # A batch the consumer deleted or donated (``donate_argnums``) says nothing of its transfer any
-            # more: its buffer is forgotten, never lent again.
-            kept, idle = [], None
-            for e in pool:  # oldest first
-                state = None if e.lent else _state(e.guard)
-                if state == _DONE:
-                    e.guard = ()  # known done: a later deletion of its batch changes nothing
+            idle = None
+            for e in pool:  # oldest first; every copy is asked, so that one done is known done before it is deleted
+                if not e.lent and (idle is None or not e.orphan) and self._state(e) == _DONE:
                     idle = idle or e
-                if state != _DELETED:
-                    kept.append(e)
-            pool[:] = kept
             if idle is not None:
                 pool.remove(idle)
                 pool.append(idle)
-                idle.lent, idle.guard = True, ()
+                idle.lent, idle.guard, idle.orphan = True, (), False
                 # A new array object over the same memory: JAX caches some conversions (e.g.
                 # int64 -> int32) by the array object, and must not see the old batch again.
                 return idle.buf.view()
@@ -306,8 +328,14 @@ class StagingRing:
             return
         for pool in pools.values():
             for e in pool:
-                if not e.lent and _state(e.guard) == _DONE:
+                if not e.lent and self._state(e) == _DONE:
                     self.spares.give(e.buf)
+
+
+def _memory_refs(buf: np.ndarray) -> int:
+    """The reference count of the memory behind ``buf`` (an :func:`aligned_empty` view): its views and holders."""
+    memory = buf.base
+    return sys.getrefcount(memory)
 
 
 def _refs(pool: list[np.ndarray], i: int) -> int:
