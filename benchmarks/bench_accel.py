@@ -31,7 +31,7 @@ GB/s from the first batch on:
   host the feeder ran at 0.21-0.25 GB/s that way). ``rayslice_host_kept`` and
   ``rayslice_host_donated``: 8k-row blocks joined on the host, each batch
   through a jitted ``x * 2`` that keeps it or donates it (``donate_argnums``:
-  the batch is deleted, often before the staging ring saw its copy done).
+  the batch is deleted, often while its copy still reads the staging buffer).
   The first (warm-up) pass
   of each, which compiles the device joins, is reported apart (``warm_up_pass_ms``);
 * ratios per round: ``vs_best``, ``vs_pinned``, ``vs_pageable`` (rayslice's
@@ -175,8 +175,8 @@ def run(
             "rayslice_large_host": feeder(large, bs, assemble="host"),
         }
         feeding = list(methods)
-        # A step that donates its batch (``donate_argnums``) deletes it before the staging ring may
-        # have seen its copy done; against the same step keeping it (both read the step's output).
+        # A step that donates its batch (``donate_argnums``) deletes it, often while its copy still
+        # reads the staging buffer; against the same step keeping it (both read the step's output).
         methods["rayslice_host_kept"] = _through(feeder(blocks, bs, assemble="host"), jax.jit(lambda x: x * 2))
         methods["rayslice_host_donated"] = _through(
             feeder(blocks, bs, assemble="host"), jax.jit(lambda x: x * 2, donate_argnums=0)

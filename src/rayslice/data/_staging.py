@@ -2,29 +2,32 @@
 
 A batch that spans several source blocks is assembled by writing each block's
 rows straight into one staging buffer (no ``np.concatenate`` of the pieces).
-Two kinds of buffer:
+The buffers are 64-byte aligned (:func:`aligned_empty`): on the CPU platform
+JAX then aliases a host buffer instead of copying it (``np.empty`` alone
+gives 16-byte alignment for large arrays, which JAX copies).
 
-* **aligned, lent again once unreferenced** (:class:`AliasPool`): on the CPU
-  platform JAX aliases a host buffer that is 64-byte aligned
-  (:func:`aligned_empty`) instead of copying it, so the ``jax.Array`` the
-  consumer gets *is* the staging buffer; it must not be written again while
-  anything references it, which its reference count tells. ``np.empty``
-  alone gives 16-byte alignment for large arrays, which JAX copies.
-* **reused after the copy** (:class:`StagingRing`): where the transfer copies
-  the buffer (accelerators, or pinned staging), the same few buffers are
-  reused once the copy that read them has finished (a TPU reads the buffer
-  after ``device_put`` returns), also where the step donated the batch.
+A :class:`StagingRing` lends the same few buffers again once nothing
+references them any more: not a batch the consumer holds (on CPU devices the
+``jax.Array`` *is* the staging buffer), nor a transfer still reading it. JAX
+holds the host array it copies from until that copy is done: on a TPU v5e
+``device_put`` returns in ~0.5 ms and reads the buffer for up to ~20 ms
+after (rewriting it at once corrupted 15-20 batches of 20), and its
+reference to the buffer goes once the copy is done, whatever became of the
+batch (kept, donated to a step or deleted). The ring never asks the
+consumer's arrays anything: a consumer may delete or donate them on its
+own thread at any moment (asking a deleted array whether it is ready
+crashes jaxlib 0.10).
 
-Either way, once a stream is under way, batches are written into memory
+Once a stream is under way, batches are written into memory
 already paged in: writing a 32 MB batch into a fresh buffer took ~4 ms on a
 2-core VM against ~1.8 ms into a reused one, and 15-25 ms at times when the
 kernel compacted memory for huge pages. Columns of Python objects get a
 plain ``np.empty`` (never aliased, never reused).
 
-When a stream ends, the idle buffers of its ring are kept for the next
-stream of the process (:data:`SPARES`, at most ``SPARE_BYTES``, or the MiB
-that the environment variable ``RAYSLICE_STAGING_SPARES_MB`` gives, read at
-the process's first feeder; 0 keeps none): fresh memory
+When a stream ends on an accelerator, the idle buffers of its ring are kept
+for the next stream of the process (:data:`SPARES`, at most ``SPARE_BYTES``,
+or the MiB that the environment variable ``RAYSLICE_STAGING_SPARES_MB``
+gives, read at the process's first feeder; 0 keeps none): fresh memory
 costs far more than its copy on some hosts. On a TPU v5e host (no
 transparent huge pages) writing 32 MB into fresh memory took 38-45 ms
 against 2.5-3.7 ms into memory already paged in (16 MB: 5.5 against 1.5 ms;
@@ -38,14 +41,14 @@ Example:
     (0, (3, 5), True)
     >>> ring = StagingRing(depth=2)
     >>> b = ring.alloc((4,), np.dtype("int32"))
-    >>> np.shares_memory(ring.alloc((4,), np.dtype("int32")), b)  # lent, not sealed: never lent twice
+    >>> np.shares_memory(ring.alloc((4,), np.dtype("int32")), b)  # still referenced: never lent twice
     False
-    >>> ring.seal({"x": b}, {"x": None})  # its copy is done (None: nothing to wait for)
-    >>> np.shares_memory(ring.alloc((4,), np.dtype("int32")), b)
+    >>> ptr = b.ctypes.data
+    >>> del b  # its last reader is gone
+    >>> ring.alloc((4,), np.dtype("int32")).ctypes.data == ptr
     True
-    >>> ring.seal({"x": b}, {"x": None})
     >>> ring.release()  # the stream is over: its idle buffers are kept for the next one
-    >>> np.shares_memory(StagingRing(depth=2).alloc((4,), np.dtype("int32")), b)
+    >>> StagingRing(depth=2).alloc((4,), np.dtype("int32")).ctypes.data == ptr
     True
 """
 
@@ -54,8 +57,6 @@ from __future__ import annotations
 import os
 import sys
 import threading
-from collections.abc import Mapping
-from typing import Any
 
 import numpy as np
 
@@ -109,57 +110,6 @@ def _aligned_view(raw: np.ndarray, shape: tuple[int, ...], dtype: np.dtype, alig
 
 def is_aligned(a: np.ndarray, align: int = ALIGN) -> bool:
     return a.ctypes.data % align == 0
-
-
-class _Entry:
-    __slots__ = ("buf", "guard", "lent", "orphan")
-
-    def __init__(self, buf: np.ndarray) -> None:
-        self.buf, self.lent = buf, True
-        self.guard: tuple[Any, ...] = ()  # the handles of the transfer that reads buf (see _readers)
-        self.orphan = False  # its batch was deleted before its copy was seen done (see StagingRing._state)
-
-
-# What the ring knows of the transfer that reads a buffer (:func:`_state`).
-_RUNNING, _DONE, _DELETED = "running", "done", "deleted"
-
-
-def _readers(guard: Any) -> tuple[Any, ...]:
-    """The ring's own handles on the transfer ``guard`` (a ``jax.Array``; None: nothing to wait for).
-
-    Never the consumer's array object itself: a consumer may donate or delete
-    that array on its own thread at any moment, also between two questions
-    of the ring (``is_deleted``, then ``is_ready``), and in jaxlib 0.10 asking
-    a donated array whether it is ready raises, and asking one deleted by
-    ``delete()`` crashes the process. Views of the array's per-device buffers
-    see the deletion too, but as an error the ring catches. Objects without
-    shards (tests' stand-ins) are asked as they are.
-    """
-    if guard is None:
-        return ()
-    shards = getattr(guard, "addressable_shards", None)
-    if shards is None:
-        return (guard,)
-    return tuple(s.data for s in shards)
-
-
-def _state(readers: tuple[Any, ...]) -> str:
-    """Whether the transfer read by ``readers`` is running, done, or deleted (e.g. donated to a step).
-
-    A deleted transfer says nothing of its state any more (see
-    :meth:`StagingRing._state` for what the ring does then).
-    """
-    running = False
-    for r in readers:
-        deleted = getattr(r, "is_deleted", None)
-        try:
-            if deleted is not None and deleted():
-                return _DELETED
-            ready = getattr(r, "is_ready", None)
-            running = running or (ready is not None and not ready())
-        except RuntimeError:  # deleted between the two questions (jax.errors.JaxRuntimeError)
-            return _DELETED
-    return _RUNNING if running else _DONE
 
 
 class Spares:
@@ -225,17 +175,29 @@ SPARES = Spares()
 
 
 class StagingRing:
-    """Up to ``depth`` reusable aligned buffers per (shape, dtype).
+    """Up to ``depth`` reusable aligned buffers per (shape, dtype), lent again once nothing references them.
 
-    ``alloc`` lends a buffer; ``seal`` says which transfer (a ``jax.Array``
-    with ``is_ready()``) reads it; the buffer is lent again only once that
-    transfer is done (or, where the consumer deleted or donated the batch
-    before that was seen, once nothing references the buffer any more:
-    :meth:`_state`). A buffer never sealed (e.g. a cast replaced it) is
-    simply forgotten when the ring is full, never reused.
-    A new buffer comes from ``spares`` (buffers of finished streams) where
-    one fits, else from fresh memory; :meth:`release` hands the ring's idle
-    buffers back there once its stream is over.
+    Every view of a buffer (the batch's arrays, those through which JAX
+    aliases it on CPU devices, and the host arrays a transfer still reads)
+    holds a reference to the buffer's memory, so its reference count says
+    when the last reader is gone: ``alloc`` lends such a buffer again (no page
+    faults of fresh memory, which cost a large batch several times its
+    copy), else one from ``spares`` (buffers of finished streams), else a
+    fresh one. Thread-safe: the feeder's thread allocates, the consumer's
+    may release. :meth:`release` hands the idle buffers to ``spares`` once
+    the stream is over.
+
+    Example:
+        >>> ring = StagingRing(depth=2, spares=None)
+        >>> a = ring.alloc((4,), np.dtype("int32"))
+        >>> view = a[1:]  # a reader of part of it
+        >>> ptr = a.ctypes.data
+        >>> del a
+        >>> ring.alloc((4,), np.dtype("int32")).ctypes.data == ptr  # still read through the view
+        False
+        >>> del view
+        >>> ring.alloc((4,), np.dtype("int32")).ctypes.data == ptr
+        True
     """
 
     def __init__(self, depth: int, spares: Spares | None = SPARES) -> None:
@@ -243,93 +205,64 @@ class StagingRing:
         self.spares = spares
         if spares is not None:
             spares.limit  # noqa: B018  # a bad RAYSLICE_STAGING_SPARES_MB is refused now, before any stream starts
-        self._pools: dict[tuple, list[_Entry]] = {}
-        self._lock = threading.Lock()  # the feeder's thread allocates; the consumer's may release
+        self._pools: dict[tuple, list[np.ndarray]] = {}  # aligned buffers per (shape, dtype), oldest first
+        self._lock = threading.Lock()
         self._unreferenced = _memory_refs(aligned_empty((1,), np.dtype("uint8")))  # of memory only its buffer holds
         self.allocated = 0  # new buffers in this ring: fresh or spare (for tests and benchmarks)
         self.from_spares = 0  # of which a finished stream's
-
-    def _state(self, e: _Entry) -> str:
-        """Whether the copy that reads the idle buffer of ``e`` is done (then the buffer may be written again).
-
-        Asked of the copy's own handles while its batch lives; once it was seen
-        done, that is remembered (the batch may be donated later). A batch
-        deleted or donated (``donate_argnums``) before its copy was seen done
-        no longer tells: then the buffer is done once nothing references it.
-        JAX holds a reference to the host array it copies from until the copy
-        is done (on a TPU v5e it reads the buffer after ``device_put``
-        returns, and lets go of it once the copy is done, donated or not).
-        """
-        if not e.orphan:
-            state = _state(e.guard)
-            if state != _DELETED:
-                if state == _DONE:
-                    e.guard = ()  # known done: a later deletion of its batch changes nothing
-                return state
-            e.guard, e.orphan = (), True
-        if e.buf.base is None:  # not one of aligned_empty's views: no reference count to go by
-            return _RUNNING
-        if _memory_refs(e.buf) == self._unreferenced:
-            return _DONE
-        _release_jax_references()  # JAX lets go of finished copies' arrays in batches: now, then look again
-        return _DONE if _memory_refs(e.buf) == self._unreferenced else _RUNNING
+        self.reused = 0  # buffers lent again
 
     def alloc(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         shape, dtype = tuple(shape), np.dtype(dtype)
+        if dtype.hasobject:  # references, not data: never aliased, never reused
+            return np.empty(shape, dtype)
         with self._lock:
             # Keyed by the dtype itself: ml_dtypes' float8/int4 kinds share one dtype.str ('<V1').
             pool = self._pools.setdefault((shape, dtype), [])
-            idle = None
-            for e in pool:  # oldest first; every copy is asked, so that one done is known done before it is deleted
-                if not e.lent and (idle is None or not e.orphan) and self._state(e) == _DONE:
-                    idle = idle or e
-            if idle is not None:
-                pool.remove(idle)
-                pool.append(idle)
-                idle.lent, idle.guard, idle.orphan = True, (), False
+            free = self._free(pool)
+            if free is None and pool:
+                # JAX drops its references to host arrays (finished copies, freed arrays) in batches, at
+                # the next garbage collection or when asked: ask, then look again (a few microseconds).
+                _release_jax_references()
+                free = self._free(pool)
+            if free is not None:
+                buf = pool.pop(free)
+                pool.append(buf)
+                self.reused += 1
                 # A new array object over the same memory: JAX caches some conversions (e.g.
                 # int64 -> int32) by the array object, and must not see the old batch again.
-                return idle.buf.view()
+                return buf.view()
             spare = self.spares.take(shape, dtype) if self.spares is not None else None
             buf = spare if spare is not None else aligned_empty(shape, dtype)
             self.allocated += 1
             self.from_spares += spare is not None
-            pool.append(_Entry(buf))
+            pool.append(buf)
             if len(pool) > self.depth:
-                pool.pop(0)  # stop tracking the oldest: the garbage collector frees it once unused
+                pool.pop(0)  # stop tracking the oldest: freed once its last reader is gone
             return buf.view()  # a spare was another stream's batch: a new array object too, as above
 
-    def seal(self, batch: Mapping[str, np.ndarray], guards: Mapping[str, Any]) -> None:
-        """Marks the buffers of ``batch`` as read by ``guards[column]`` (a transfer, or None when done)."""
-        for k, a in batch.items():
-            self.read_by(a, guards.get(k))
-
-    def read_by(self, buf: np.ndarray, guard: Any) -> None:
-        """Marks ``buf``, if it is a buffer this ring lent, as read by ``guard`` (None: done).
-
-        Call it before the consumer can see ``guard`` (see :func:`_readers`).
-        """
-        with self._lock:
-            for e in self._pools.get((buf.shape, buf.dtype), ()):
-                if e.lent and e.buf.ctypes.data == buf.ctypes.data:
-                    e.lent, e.guard = False, _readers(guard)
-                    break
+    def _free(self, pool: list[np.ndarray]) -> int | None:
+        for i, buf in enumerate(pool):  # oldest first
+            if _memory_refs(buf) == self._unreferenced:
+                return i
+        return None
 
     def release(self) -> None:
-        """The stream is over: idle buffers whose transfer is done go to ``spares``; the ring forgets them all.
+        """The stream is over: idle buffers go to ``spares``; the ring forgets them all.
 
-        A buffer still lent (being written, or never sealed) or whose
-        transfer is unfinished or was deleted stays out of ``spares``: it is
-        freed once unused. Idempotent; the ring may still lend fresh buffers.
+        A buffer still referenced (a batch the consumer holds, a transfer
+        still reading it) stays out of ``spares``: it is freed once its last
+        reader is gone. Idempotent; the ring may still lend fresh buffers.
         """
         with self._lock:
             pools, self._pools = self._pools, {}
         if self.spares is None:
             return
+        _release_jax_references()
         for pool in pools.values():
-            for e in pool:
-                if not e.lent and self._state(e) == _DONE:
-                    self.spares.give(e.buf)
+            for buf in pool:
+                if _memory_refs(buf) == self._unreferenced:
+                    self.spares.give(buf)
 
 
 def _memory_refs(buf: np.ndarray) -> int:
@@ -338,81 +271,11 @@ def _memory_refs(buf: np.ndarray) -> int:
     return sys.getrefcount(memory)
 
 
-def _refs(pool: list[np.ndarray], i: int) -> int:
-    return sys.getrefcount(pool[i])
-
-
 def _release_jax_references() -> None:
     """Has jaxlib drop the Python references it still holds for arrays already freed."""
-    try:
-        from jaxlib import xla_client
-    except ImportError:  # no JAX here: nothing can hold a buffer
+    xla_client = sys.modules.get("jaxlib.xla_client")  # never imported here (nor at the interpreter's exit)
+    if xla_client is None:  # no JAX in this process: nothing can hold a buffer
         return
     collect = getattr(getattr(xla_client, "_xla", None), "collect_garbage", None)
     if collect is not None:
         collect()
-
-
-class AliasPool:
-    """Up to ``depth`` aligned buffers per (shape, dtype), for devices that alias host memory (CPU).
-
-    There the ``jax.Array`` a consumer gets *is* the staging buffer, held for as
-    long as the consumer keeps it, so a buffer cannot be lent again after a
-    fixed number of batches. Every view of a buffer (the batch's arrays, and
-    those through which JAX aliases it) holds a reference to the buffer's base
-    array, so the base's reference count says when the last reader is gone:
-    ``alloc`` lends such a buffer again (no page faults of fresh memory, which
-    cost a large batch several times its copy), else a fresh one.
-
-    Example:
-        >>> pool = AliasPool(depth=2)
-        >>> a = pool.alloc((4,), np.dtype("int32"))
-        >>> np.shares_memory(pool.alloc((4,), np.dtype("int32")), a)  # still referenced: never lent twice
-        False
-        >>> ptr = a.ctypes.data
-        >>> del a  # its last reader is gone
-        >>> pool.alloc((4,), np.dtype("int32")).ctypes.data == ptr
-        True
-    """
-
-    def __init__(self, depth: int) -> None:
-        self.depth = max(1, depth)
-        self._pools: dict[tuple, list[np.ndarray]] = {}
-        self.allocated = 0  # fresh buffers made (for tests and benchmarks)
-        self.reused = 0
-        probe = [np.empty(1, dtype=np.uint8)]
-        self._idle = _refs(probe, 0)  # the count of a base that only the pool references
-
-    def alloc(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-        dtype = np.dtype(dtype)
-        shape = tuple(shape)
-        if dtype.hasobject:
-            return aligned_empty(shape, dtype)
-        pool = self._pools.setdefault((shape, dtype), [])
-        free = self._free(pool)
-        if free is None and pool:
-            # JAX drops its references to the host buffers of freed arrays in batches (at the next
-            # garbage collection, or when asked): ask, then look again (a few microseconds).
-            _release_jax_references()
-            free = self._free(pool)
-        if free is not None:
-            raw = pool.pop(free)
-            pool.append(raw)
-            self.reused += 1
-            return _aligned_view(raw, shape, dtype)
-        raw = _raw(shape, dtype)
-        self.allocated += 1
-        pool.append(raw)
-        if len(pool) > self.depth:
-            pool.pop(0)  # stop tracking the oldest: freed once its last reader is gone
-        return _aligned_view(raw, shape, dtype)
-
-    def clear(self) -> None:
-        """Forgets every buffer (the stream is over): each is freed once its last reader is gone."""
-        self._pools.clear()
-
-    def _free(self, pool: list[np.ndarray]) -> int | None:
-        for i in range(len(pool)):  # oldest first
-            if _refs(pool, i) == self._idle:
-                return i
-        return None

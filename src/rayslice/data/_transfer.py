@@ -27,8 +27,9 @@ JAX copies numpy into ``pinned_host`` memory at 0.2-0.5 GB/s, so staging
 through it held the feeder to 0.21-0.25 GB/s against a pageable
 ``device_put`` of 11-12 GB/s: ``"auto"`` never stages. On a host with several local devices,
 each device's rows are transferred from a thread pool (``transfer_threads``).
-Staging buffers the feeder assembled a batch in are lent again once the
-transfer that read them is done (:class:`~rayslice.data._staging.StagingRing`).
+Staging buffers the feeder assembled a batch in are lent again once nothing
+references them, a transfer still reading one included
+(:class:`~rayslice.data._staging.StagingRing`).
 
 Example:
     >>> import jax, numpy as np
@@ -84,9 +85,10 @@ class Transfers:
             accelerator when there are several, at most 8; 0 on CPU devices).
         process_count: ``jax.process_count()``.
         ring_depth: Staging buffers kept per batch shape.
-        reuse_staging: Keep a ring of staging buffers, lent again once the
-            transfer that read them is done: where a transfer always copies
-            (accelerators).
+        reuse_staging: Keep a ring of staging buffers for host joins, lent
+            again once the transfer that read them is done (nothing references
+            them any more), and handed to the process's next stream at the
+            end: where a transfer always copies (accelerators).
         store: Ray's object store registration to use (None: the process's
             own, on CUDA devices under ``staging="auto"``; given, for tests).
         grid_bytes: Smallest chunk of a grid join, in bytes of one column on
@@ -203,11 +205,11 @@ class Transfers:
         key = tuple((d.id, lengths) for d, a, b in spans if len(lengths := tuple(len(p) for p in col.rows(a, b))) > 1)
         return spans, not key or self.layouts.admit(key)
 
-    def _grid(self, col: Pieces, spans: list[tuple[Any, int, int]]) -> tuple[list[list[np.ndarray]], list] | None:
-        """Each device's rows of ``col`` as equal chunks to join on the device (see :func:`grid_cuts`), and
-        the staging buffers of the chunks that cross a block's end; None where a device's rows are too
-        few bytes for a grid, or more than a quarter of its chunks would cross an end (measured on a
-        TPU v5e host: there the grid gained nothing over the host join)."""
+    def _grid(self, col: Pieces, spans: list[tuple[Any, int, int]]) -> list[list[np.ndarray]] | None:
+        """Each device's rows of ``col`` as equal chunks to join on the device (see :func:`grid_cuts`), a
+        chunk across a block's end joined in a staging buffer; None where a device's rows are too few
+        bytes for a grid, or more than a quarter of its chunks would cross an end (measured on a TPU
+        v5e host: there the grid gained nothing over the host join)."""
         row_bytes = col.nbytes // max(1, len(col))
         cut = []
         for _, a, b in spans:  # a device whose rows lie in one block takes them as they are
@@ -217,18 +219,16 @@ class Transfers:
             )
         if any(len(c) == 1 and len(c[0]) > 1 or 4 * sum(len(pieces) > 1 for pieces in c) > len(c) for c in cut):
             return None
-        staged: list[np.ndarray] = []
-        per_device = []
-        for chunks in cut:
-            arrays = []
-            for pieces in chunks:
-                if len(pieces) > 1:  # across a block's end: its rows joined in a staging buffer
-                    staged.append(write_rows(self._alloc((sum(map(len, pieces)), *col.shape[1:]), col.dtype), pieces))
-                    arrays.append(staged[-1])
-                else:
-                    arrays.append(pieces[0])
-            per_device.append(arrays)
-        return per_device, staged
+        alloc = self._alloc
+        return [
+            [
+                write_rows(alloc((sum(map(len, pieces)), *col.shape[1:]), col.dtype), pieces)  # across an end
+                if len(pieces) > 1
+                else pieces[0]
+                for pieces in chunks
+            ]
+            for chunks in cut
+        ]
 
     def _whole_blocks(self, col: Pieces, spans: list[tuple[Any, int, int]]) -> list[_Job] | None:
         """Each device's rows of ``col`` as the whole source blocks that hold them and where they start
@@ -304,15 +304,13 @@ class Transfers:
             return self._put_plain(dev, rows)
         spans, compiled = self._layout(next(iter(pieces.values())), rows)
         cols: dict[str, list[_Job]] = {}
-        staged: dict[str, list[np.ndarray]] = {}
         if spans is not None and compiled:
             cols = {k: [(col.rows(a, b), None) for _, a, b in spans] for k, col in pieces.items()}
         elif spans is not None:
             if self.layouts.mostly_refused:
                 for k, col in pieces.items():
                     if (grid := self._grid(col, spans)) is not None:
-                        cols[k] = [(arrays, None) for arrays in grid[0]]
-                        staged[k] = grid[1]
+                        cols[k] = [(arrays, None) for arrays in grid]
                 self.grid_joins += len(cols)
             if left := {k: col for k, col in pieces.items() if k not in cols}:
                 whole = self._from_blocks(left, spans)
@@ -320,10 +318,6 @@ class Transfers:
                 self.block_joins += len(whole)
         shapes = {k: (rows * self.process_count, *pieces[k].shape[1:]) for k in cols}
         joined = self._join_on_devices(cols, shapes, spans or []) if cols else {}
-        if self.ring is not None:  # a chunk's staging buffer is read by the join of its column
-            for k, bufs in staged.items():
-                for buf in bufs:
-                    self.ring.read_by(buf, joined[k])
         rest = {k: v.join(self._alloc) if isinstance(v, Pieces) else v for k, v in dev.items() if k not in joined}
         out = self._put_plain(rest, rows) if rest else {}
         return {k: joined[k] if k in joined else out[k] for k in dev}
@@ -338,8 +332,6 @@ class Transfers:
             if len(direct) < len(dev):
                 out.update(self._put_columns({k: v for k, v in dev.items() if k not in direct}, rows, self.pinned))
             out = {k: out[k] for k in dev}  # the batch's column order, whatever path each took
-        if self.ring is not None:
-            self.ring.seal(dev, out)
         return out
 
     def _in_store(self, v: np.ndarray) -> bool:

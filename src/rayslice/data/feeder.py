@@ -58,7 +58,7 @@ from rayslice.data._agreement import RowAgreement, next_stream_id
 from rayslice.data._pieces import Pieces
 from rayslice.data._rebatch import Batch, check_source, host_batches
 from rayslice.data._sharding import batch_sharding, default_sharding
-from rayslice.data._staging import AliasPool
+from rayslice.data._staging import StagingRing
 from rayslice.data._steps import Step, decide
 from rayslice.data._transfer import Transfers
 from rayslice.data.options import FeederOptions, Ragged, build_options, check_state
@@ -76,7 +76,8 @@ GROUP_MAX_BYTES = 4 << 20
 
 
 def _reuses_staging(platform: str) -> bool:
-    """Whether a device copy of a host buffer never aliases it (so the buffer can be reused)."""
+    """Whether a device copy of a host buffer never aliases it: then host joins stage in a ring whose idle
+    buffers go to the process's next stream (an aliased buffer lives as long as its batch)."""
     return platform != "cpu"
 
 
@@ -128,9 +129,6 @@ class _Feeder:
         local = sorted(self.sharding.addressable_devices, key=lambda d: d.id)
         self.platform = local[0].platform
         self.pipeline = o.pipeline if o.pipeline != "auto" else ("sync" if self.platform == "cpu" else "thread")
-        # Where a transfer must copy the host batch (accelerators), staging buffers are reused
-        # once their device copy is done; CPU devices alias an aligned host buffer (their memory
-        # is host memory), so there a buffer is reused only once nothing references it any more.
         depth = o.prefetch + o.agree_window + 2
         self._transfers = Transfers(
             self.sharding,
@@ -142,8 +140,11 @@ class _Feeder:
         )
         self.pinned = self._transfers.pinned
         self.transfer_threads = self._transfers.threads
-        self._ring = self._transfers.ring
-        self._alias_pool = AliasPool(depth) if self._ring is None else None
+        # Staging buffers are lent again once nothing references them: on CPU devices, which alias
+        # an aligned host buffer, not while the consumer holds its batch; on accelerators, not while
+        # a transfer reads it. There the ring is the transfers' (it joins on the host too), and a
+        # finished stream leaves its idle buffers to the process's next stream.
+        self._ring = self._transfers.ring or StagingRing(depth, spares=None)
         self._batches, self._rows, self._finished = st["batches"], st["rows"], st["finished"]
         agree = self.process_count > 1 if o.agree is None else o.agree
         self._agreement = RowAgreement(next_stream_id(), o.agreement_timeout_s) if agree else None
@@ -152,7 +153,7 @@ class _Feeder:
         self._fills: dict[str, Any] = {}
         self._full_mask: Any = None
         self._source_done = False
-        self._alloc = self._ring.alloc if self._ring is not None else self._alias_pool.alloc  # type: ignore[union-attr]
+        self._alloc = self._ring.alloc
         self.assemble = _assembly(o.assemble, self.platform, self.pinned is not None)
         self._source = host_batches(
             source,
@@ -430,10 +431,7 @@ class _Feeder:
         """The stream is over (its end or an error): nothing more is staged."""
         self._finished = True
         self._stop.set()
-        if self._alias_pool is not None:  # the buffers still held stay with their batches
-            self._alias_pool.clear()
-        if self._ring is not None:  # idle staging buffers, already paged in, for the process's next stream
-            self._ring.release()
+        self._ring.release()  # buffers still held stay with their batches; idle ones may go to the next stream
 
     def close(self, wait: bool = True) -> None:
         """Stops the prefetch thread; the iterator then ends (idempotent)."""
