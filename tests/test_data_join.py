@@ -17,7 +17,7 @@ from rayslice.data._rebatch import host_batches
 from rayslice.data.feeder import _assembly
 from rayslice.errors import InvalidArgument
 
-from .test_data_staging import blocks  # consecutive ids in blocks of the given sizes
+from .test_data_staging import blocks, wait_unreferenced  # blocks: consecutive ids in blocks of the given sizes
 
 
 def _all(it):
@@ -276,12 +276,14 @@ def test_grid_chunks_across_block_ends_are_staged_in_reused_buffers():
     # 16 rows per device (8 bytes each): 4 chunks of 4 rows; a block ends inside one chunk of device 1's,
     # at another row each time (no layout recurs), and that chunk alone is staged.
     for cut in (17, 18, 19, 21, 22, 23):
+        wait_unreferenced(t.ring)  # the last join is done (and JAX has let go of its chunk)
         out = t.put({"x": Pieces([x[:cut], x[cut:]])}, 64)
         np.testing.assert_array_equal(np.asarray(out["x"]), x)
         assert t.ring is not None
         buffers |= {buf.ctypes.data for pool in t.ring._pools.values() for buf in pool}
     assert t.grid_joins == 6 and t.ring.allocated == 1 and len(buffers) == 1  # one buffer, lent again
     out["x"].delete()  # the consumer donated the last batch to its step
+    wait_unreferenced(t.ring)
     out = t.put({"x": Pieces([x[:25], x[25:]])}, 64)  # a cut not seen before: on the grid again
     np.testing.assert_array_equal(np.asarray(out["x"]), x)
     assert t.ring.allocated == 1  # its buffer is lent again: nothing references it any more

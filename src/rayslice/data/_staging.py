@@ -12,8 +12,8 @@ references them any more: not a batch the consumer holds (on CPU devices the
 holds the host array it copies from until that copy is done: on a TPU v5e
 ``device_put`` returns in ~0.5 ms and reads the buffer for up to ~20 ms
 after (rewriting it at once corrupted 15-20 batches of 20), and its
-reference to the buffer goes once the copy is done, whatever became of the
-batch (kept, donated to a step or deleted). The ring never asks the
+reference to the buffer goes once the copy is done, whether the batch was
+kept or donated to a step. The ring never asks the
 consumer's arrays anything: a consumer may delete or donate them on its
 own thread at any moment (asking a deleted array whether it is ready
 crashes jaxlib 0.10).
@@ -216,30 +216,45 @@ class StagingRing:
         shape, dtype = tuple(shape), np.dtype(dtype)
         if dtype.hasobject:  # references, not data: never aliased, never reused
             return np.empty(shape, dtype)
+        key = (shape, dtype)  # the dtype itself: ml_dtypes' float8/int4 kinds share one dtype.str ('<V1')
         with self._lock:
-            # Keyed by the dtype itself: ml_dtypes' float8/int4 kinds share one dtype.str ('<V1').
-            pool = self._pools.setdefault((shape, dtype), [])
-            free = self._free(pool)
-            if free is None and pool:
-                # JAX drops its references to host arrays (finished copies, freed arrays) in batches, at
-                # the next garbage collection or when asked: ask, then look again (a few microseconds).
-                _release_jax_references()
-                free = self._free(pool)
-            if free is not None:
-                buf = pool.pop(free)
-                pool.append(buf)
-                self.reused += 1
-                # A new array object over the same memory: JAX caches some conversions (e.g.
-                # int64 -> int32) by the array object, and must not see the old batch again.
-                return buf.view()
-            spare = self.spares.take(shape, dtype) if self.spares is not None else None
-            buf = spare if spare is not None else aligned_empty(shape, dtype)
-            self.allocated += 1
-            self.from_spares += spare is not None
-            pool.append(buf)
-            if len(pool) > self.depth:
-                pool.pop(0)  # stop tracking the oldest: freed once its last reader is gone
-            return buf.view()  # a spare was another stream's batch: a new array object too, as above
+            buf, tracked = self._idle(key), bool(self._pools.get(key))
+        if buf is None and tracked:
+            # JAX drops its references to host arrays (finished copies, freed arrays) in batches, at the
+            # next garbage collection or when asked: ask (outside the lock: what that frees may run code
+            # that reaches this ring), then look again (a few microseconds).
+            _release_jax_references()
+            with self._lock:
+                buf = self._idle(key)
+        if buf is None:
+            with self._lock:
+                buf = self._new(key)
+        # A new array object over the same memory: JAX caches some conversions (e.g. int64 -> int32) by
+        # the array object, and must not see the old batch again (nor a spare's other stream).
+        return buf.view()
+
+    def _idle(self, key: tuple) -> np.ndarray | None:
+        """An unreferenced buffer of ``key``, now the newest (call with the lock held)."""
+        pool = self._pools.get(key, [])
+        free = self._free(pool)
+        if free is None:
+            return None
+        buf = pool.pop(free)
+        pool.append(buf)
+        self.reused += 1
+        return buf
+
+    def _new(self, key: tuple) -> np.ndarray:
+        """A spare buffer of ``key``, else a fresh one (call with the lock held)."""
+        spare = self.spares.take(*key) if self.spares is not None else None
+        buf = spare if spare is not None else aligned_empty(*key)
+        self.allocated += 1
+        self.from_spares += spare is not None
+        pool = self._pools.setdefault(key, [])
+        pool.append(buf)
+        if len(pool) > self.depth:
+            pool.pop(0)  # stop tracking the oldest: freed once its last reader is gone
+        return buf
 
     def _free(self, pool: list[np.ndarray]) -> int | None:
         for i, buf in enumerate(pool):  # oldest first
@@ -258,7 +273,7 @@ class StagingRing:
             pools, self._pools = self._pools, {}
         if self.spares is None:
             return
-        _release_jax_references()
+        _release_jax_references()  # outside the lock (see alloc)
         for pool in pools.values():
             for buf in pool:
                 if _memory_refs(buf) == self._unreferenced:

@@ -182,7 +182,7 @@ class _Feeder:
     # -- transfers ------------------------------------------------------
     def _to_global(self, batch: Batch, rows: int) -> dict[str, Any]:
         dev, host = self._split_host(batch)
-        out = self._transfers.put(dev, rows)  # its staging buffers are lent again once copied
+        out = self._transfers.put(dev, rows)  # its staging buffers are lent again once nothing references them
         return {**out, **host}
 
     def _to_global_group(self, group: list[tuple[Batch, int]]) -> list[dict[str, Any]]:
@@ -349,6 +349,7 @@ class _Feeder:
                 group.append((local, n))  # type: ignore[arg-type]
                 step += 1
                 size += cols.nbytes_of(local)  # type: ignore[arg-type]
+                local = None  # the group holds it until transferred
                 if step in agreed and len(group) < self._group and size < GROUP_MAX_BYTES:
                     continue  # the next step is decided already: transfer it with this one
                 yield from self._flush(group)
@@ -360,7 +361,9 @@ class _Feeder:
                 yield _END, None
                 return
             out = self._step_out(action, local, n)
+            local = None  # its staging buffers are free once copied: not held while the consumer steps
             yield self._unwrap(out), n
+            del out
             step += 1
 
     def _flush(self, group: list[tuple[Batch, int]]) -> Iterator[tuple[Any, int]]:
