@@ -27,13 +27,13 @@ def wait_unreferenced(ring, ptr=None, timeout=10.0):
     """
     import time
 
-    from rayslice.data._staging import _memory_refs, _release_jax_references
+    from rayslice.data._staging import _release_jax_references, _unreferenced
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         _release_jax_references()
         bufs = [b for pool in ring._pools.values() for b in pool if ptr is None or b.ctypes.data == ptr]
-        if all(_memory_refs(b) == ring._unreferenced for b in bufs):
+        if all(_unreferenced(b) for b in bufs):
             return
         del bufs
         time.sleep(0.005)

@@ -207,7 +207,6 @@ class StagingRing:
             spares.limit  # noqa: B018  # a bad RAYSLICE_STAGING_SPARES_MB is refused now, before any stream starts
         self._pools: dict[tuple, list[np.ndarray]] = {}  # aligned buffers per (shape, dtype), oldest first
         self._lock = threading.Lock()
-        self._unreferenced = _memory_refs(aligned_empty((1,), np.dtype("uint8")))  # of memory only its buffer holds
         self.allocated = 0  # new buffers in this ring: fresh or spare (for tests and benchmarks)
         self.from_spares = 0  # of which a finished stream's
         self.reused = 0  # buffers lent again
@@ -258,7 +257,7 @@ class StagingRing:
 
     def _free(self, pool: list[np.ndarray]) -> int | None:
         for i, buf in enumerate(pool):  # oldest first
-            if _memory_refs(buf) == self._unreferenced:
+            if _unreferenced(buf):
                 return i
         return None
 
@@ -276,7 +275,7 @@ class StagingRing:
         _release_jax_references()  # outside the lock (see alloc)
         for pool in pools.values():
             for buf in pool:
-                if _memory_refs(buf) == self._unreferenced:
+                if _unreferenced(buf):
                     self.spares.give(buf)
 
 
@@ -284,6 +283,14 @@ def _memory_refs(buf: np.ndarray) -> int:
     """The reference count of the memory behind ``buf`` (an :func:`aligned_empty` view): its views and holders."""
     memory = buf.base
     return sys.getrefcount(memory)
+
+
+_UNREFERENCED = _memory_refs(aligned_empty((1,), np.dtype("uint8")))  # the count of memory only its buffer holds
+
+
+def _unreferenced(buf: np.ndarray) -> bool:
+    """Whether nothing but ``buf`` itself (an :func:`aligned_empty` view) references its memory."""
+    return _memory_refs(buf) == _UNREFERENCED
 
 
 def _release_jax_references() -> None:
