@@ -24,8 +24,8 @@ already paged in: writing a 32 MB batch into a fresh buffer took ~4 ms on a
 kernel compacted memory for huge pages. Columns of Python objects get a
 plain ``np.empty`` (never aliased, never reused).
 
-When a stream ends on an accelerator, the idle buffers of its ring are kept
-for the next stream of the process (:data:`SPARES`, at most ``SPARE_BYTES``,
+When a stream ends on an accelerator, the buffers of its ring are kept
+for the next streams of the process, each lent once nothing references it (:data:`SPARES`, at most ``SPARE_BYTES``,
 or the MiB that the environment variable ``RAYSLICE_STAGING_SPARES_MB``
 gives, read at the process's first feeder; 0 keeps none): fresh memory
 costs far more than its copy on some hosts. On a TPU v5e host (no
@@ -47,7 +47,7 @@ Example:
     >>> del b  # its last reader is gone
     >>> ring.alloc((4,), np.dtype("int32")).ctypes.data == ptr
     True
-    >>> ring.release()  # the stream is over: its idle buffers are kept for the next one
+    >>> ring.release()  # the stream is over: its buffers are kept for the next one
     >>> StagingRing(depth=2).alloc((4,), np.dtype("int32")).ctypes.data == ptr
     True
 """
@@ -113,21 +113,31 @@ def is_aligned(a: np.ndarray, align: int = ALIGN) -> bool:
 
 
 class Spares:
-    """Idle staging buffers of finished streams, lent to the next streams of the process (thread-safe).
+    """Staging buffers of finished streams, lent to the next streams of the process (thread-safe).
 
     Holds at most ``limit`` bytes; past that the oldest are dropped (freed by
-    the garbage collector). A buffer is handed over only once nothing reads
-    or writes it (see :meth:`StagingRing.release`).
+    the garbage collector). A finished stream hands over all its buffers,
+    also those something still references (the stream's last partial batch,
+    read ahead and dropped under ``ragged="drop"``, a transfer still reading
+    one): :meth:`take` lends only a buffer nothing references any more, as
+    :meth:`StagingRing.alloc` does.
 
     Args:
         limit: Bytes kept at most (None: :func:`spare_limit`, read on first use).
 
     Example:
         >>> spares = Spares(limit=64)
-        >>> a, b = np.zeros(6, np.int64), np.ones(6, np.int64)  # 48 bytes each
+        >>> i8 = np.dtype("int64")
+        >>> a, b = aligned_empty((6,), i8), aligned_empty((6,), i8)  # 48 bytes each
         >>> spares.give(a); spares.give(b)  # the oldest goes: 96 bytes > 64
-        >>> spares.nbytes, spares.take((6,), np.dtype("int64")) is b, spares.take((6,), np.dtype("int64"))
+        >>> spares.nbytes, spares.take((6,), i8) is b, spares.take((6,), i8)
         (48, True, None)
+        >>> spares.give(a); reader = a[2:]  # a reader still holds part of it
+        >>> spares.take((6,), i8) is None, spares.nbytes
+        (True, 48)
+        >>> del reader
+        >>> spares.take((6,), i8) is a, spares.nbytes
+        (True, 0)
     """
 
     def __init__(self, limit: int | None = None) -> None:
@@ -144,7 +154,7 @@ class Spares:
         return self._limit
 
     def give(self, buf: np.ndarray) -> None:
-        """Keeps ``buf`` (an idle staging buffer) for a later stream."""
+        """Keeps ``buf`` (a finished stream's staging buffer) for a later stream."""
         limit = self.limit
         with self._lock:
             self._bufs.append(buf)
@@ -153,11 +163,11 @@ class Spares:
                 self.nbytes -= self._bufs.pop(0).nbytes
 
     def take(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray | None:
-        """A kept buffer of ``shape`` and ``dtype`` (the most recently used), or None."""
+        """A kept buffer of ``shape`` and ``dtype`` that nothing else references (the most recent), or None."""
         with self._lock:
             for i in range(len(self._bufs) - 1, -1, -1):
                 buf = self._bufs[i]
-                if buf.shape == shape and buf.dtype == dtype:
+                if buf.shape == shape and buf.dtype == dtype and _unreferenced(buf):
                     del self._bufs[i]
                     self.nbytes -= buf.nbytes
                     return buf
@@ -184,8 +194,8 @@ class StagingRing:
     faults of fresh memory, which cost a large batch several times its
     copy), else one from ``spares`` (buffers of finished streams), else a
     fresh one. Thread-safe: the feeder's thread allocates, the consumer's
-    may release. :meth:`release` hands the idle buffers to ``spares`` once
-    the stream is over.
+    may release. :meth:`release` hands the buffers to ``spares`` once the
+    stream is over.
 
     Example:
         >>> ring = StagingRing(depth=2, spares=None)
@@ -262,21 +272,20 @@ class StagingRing:
         return None
 
     def release(self) -> None:
-        """The stream is over: idle buffers go to ``spares``; the ring forgets them all.
+        """The stream is over: its buffers go to ``spares``; the ring forgets them all.
 
-        A buffer still referenced (a batch the consumer holds, a transfer
-        still reading it) stays out of ``spares``: it is freed once its last
-        reader is gone. Idempotent; the ring may still lend fresh buffers.
+        A buffer still referenced (the last partial batch a stream read
+        ahead, a transfer still reading one) goes too: ``spares`` lends it
+        only once its last reader is gone. Idempotent; the ring may still
+        lend fresh buffers.
         """
         with self._lock:
             pools, self._pools = self._pools, {}
         if self.spares is None:
             return
-        _release_jax_references()  # outside the lock (see alloc)
         for pool in pools.values():
             for buf in pool:
-                if _unreferenced(buf):
-                    self.spares.give(buf)
+                self.spares.give(buf)
 
 
 def _memory_refs(buf: np.ndarray) -> int:

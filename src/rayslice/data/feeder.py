@@ -78,8 +78,8 @@ GROUP_MAX_BYTES = 4 << 20
 
 
 def _reuses_staging(platform: str) -> bool:
-    """Whether a device copy of a host buffer never aliases it: then host joins stage in a ring whose idle
-    buffers go to the process's next stream (an aliased buffer lives as long as its batch)."""
+    """Whether a device copy of a host buffer never aliases it: then host joins stage in a ring whose
+    buffers go to the process's next streams (an aliased buffer lives as long as its batch)."""
     return platform != "cpu"
 
 
@@ -145,7 +145,7 @@ class _Feeder:
         # Staging buffers are lent again once nothing references them: on CPU devices, which alias
         # an aligned host buffer, not while the consumer holds its batch; on accelerators, not while
         # a transfer reads it. There the ring is the transfers' (it joins on the host too), and a
-        # finished stream leaves its idle buffers to the process's next stream.
+        # finished stream leaves its buffers to the process's next streams.
         self._ring = self._transfers.ring or StagingRing(depth, spares=None)
         self._batches, self._rows, self._finished = st["batches"], st["rows"], st["finished"]
         agree = self.process_count > 1 if o.agree is None else o.agree
@@ -437,7 +437,7 @@ class _Feeder:
         """The stream is over (its end or an error): nothing more is staged."""
         self._finished = True
         self._stop.set()
-        self._ring.release()  # buffers still held stay with their batches; idle ones may go to the next stream
+        self._ring.release()  # to the next streams, each lent once nothing references it
 
     def close(self, wait: bool = True) -> None:
         """Stops the prefetch thread; the iterator then ends (idempotent)."""
