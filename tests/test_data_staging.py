@@ -142,7 +142,7 @@ import jax, numpy as np
 import rayslice.data.feeder as feeder
 from rayslice.data import iter_jax_batches
 
-feeder._reuses_staging = lambda platform: True  # the accelerators' ring, its idle buffers kept between streams
+feeder._reuses_staging = lambda platform: True  # the accelerators' ring, its buffers kept between streams
 # int64 ids, converted (so copied) on their way to CPU devices, as on an accelerator; every batch spans blocks.
 src = [{"id": np.arange(i * 300, i * 300 + 300, dtype=np.int64)} for i in range(800)]
 step = jax.jit(lambda x: x + 1, donate_argnums=0)
@@ -270,8 +270,8 @@ def test_the_next_stream_writes_into_the_last_streams_staging_buffers(monkeypatc
 @pytest.mark.parametrize("pipeline", ["thread", "sync"])
 def test_the_partial_batch_that_drop_read_ahead_is_lent_to_the_next_streams(monkeypatch, pipeline):
     # Under ragged="drop" a stream reads its last partial batch ahead (into a staging buffer of its
-    # own shape) before it knows to drop it, and still holds it when the stream ends: its buffer
-    # goes to the spares too, lent once the stream is dropped, so the next streams fault in nothing.
+    # own shape) before it knows to drop it: it lets go of it as it ends, and the buffer goes to the
+    # spares with the others, so the next streams fault in nothing (their iterators still alive).
     import rayslice.data.feeder as feeder
 
     if jax.config.jax_enable_x64:
@@ -280,13 +280,13 @@ def test_the_partial_batch_that_drop_read_ahead_is_lent_to_the_next_streams(monk
     SPARES.clear()
     src = [{"id": np.arange(i * 12, i * 12 + 12, dtype=np.int64)} for i in range(40)]  # 30 batches
     src += [{"id": np.arange(480, 485, dtype=np.int64)}, {"id": np.arange(485, 490, dtype=np.int64)}]  # + 10 rows
-    rings = []
+    rings, its = [], []
     for _ in range(3):
         it = iter_jax_batches(src, batch_size=16, pipeline=pipeline, prefetch=2, ragged="drop")
         got = np.concatenate([np.asarray(b["id"]) for b in it])
         np.testing.assert_array_equal(got, np.arange(480))
         rings.append(it._feeder._ring)
-        del it
+        its.append(it)  # kept, as a caller reading state() would
     for ring in rings[1:]:
         assert ring.allocated == ring.from_spares >= 2, (ring.allocated, ring.from_spares)
     assert (10,) in {b.shape for b in SPARES._bufs}  # the partial batch was staged (joined from two blocks)

@@ -62,14 +62,14 @@ import numpy as np
 
 ALIGN = 64  # bytes; what JAX's CPU client needs to alias a host buffer instead of copying it
 
-#: Idle staging buffers a process keeps for its next stream, in bytes (the oldest are freed first).
+#: Staging buffers of finished streams a process keeps for its next streams, in bytes (the oldest are freed first).
 SPARE_BYTES = 1 << 30
 #: The environment variable that sets that, in MiB (0: none kept).
 SPARES_ENV = "RAYSLICE_STAGING_SPARES_MB"
 
 
 def spare_limit() -> int:
-    """Bytes of idle staging buffers to keep: ``RAYSLICE_STAGING_SPARES_MB`` MiB, else ``SPARE_BYTES``.
+    """Bytes of finished streams' staging buffers to keep: ``RAYSLICE_STAGING_SPARES_MB`` MiB, else ``SPARE_BYTES``.
 
     Example:
         >>> spare_limit() == SPARE_BYTES or SPARES_ENV in os.environ
@@ -85,7 +85,7 @@ def spare_limit() -> int:
     if mb < 0:
         from rayslice._validate import fail
 
-        raise fail(SPARES_ENV, raw, "a whole number of MiB >= 0 (0 keeps no idle staging buffers between streams)")
+        raise fail(SPARES_ENV, raw, "a whole number of MiB >= 0 (0 keeps no staging buffers between streams)")
     return mb << 20
 
 
@@ -117,9 +117,8 @@ class Spares:
 
     Holds at most ``limit`` bytes; past that the oldest are dropped (freed by
     the garbage collector). A finished stream hands over all its buffers,
-    also those something still references (the stream's last partial batch,
-    read ahead and dropped under ``ragged="drop"``, a transfer still reading
-    one): :meth:`take` lends only a buffer nothing references any more, as
+    also those something still references (a transfer still reading one):
+    :meth:`take` lends only a buffer nothing references any more, as
     :meth:`StagingRing.alloc` does.
 
     Args:
@@ -180,7 +179,7 @@ class Spares:
             self.nbytes = 0
 
 
-#: The process's idle staging buffers (see the module docstring).
+#: The process's staging buffers of finished streams (see the module docstring).
 SPARES = Spares()
 
 
@@ -227,23 +226,21 @@ class StagingRing:
             return np.empty(shape, dtype)
         key = (shape, dtype)  # the dtype itself: ml_dtypes' float8/int4 kinds share one dtype.str ('<V1')
         with self._lock:
-            buf, tracked = self._idle(key), bool(self._pools.get(key))
-        if buf is None and tracked:
+            out, tracked = self._idle(key), bool(self._pools.get(key))
+        if out is None and (tracked or (self.spares is not None and self.spares.nbytes)):
             # JAX drops its references to host arrays (finished copies, freed arrays) in batches, at the
             # next garbage collection or when asked: ask (outside the lock: what that frees may run code
             # that reaches this ring), then look again (a few microseconds).
             _release_jax_references()
             with self._lock:
-                buf = self._idle(key)
-        if buf is None:
+                out = self._idle(key)
+        if out is None:
             with self._lock:
-                buf = self._new(key)
-        # A new array object over the same memory: JAX caches some conversions (e.g. int64 -> int32) by
-        # the array object, and must not see the old batch again (nor a spare's other stream).
-        return buf.view()
+                out = self._new(key)
+        return out
 
     def _idle(self, key: tuple) -> np.ndarray | None:
-        """An unreferenced buffer of ``key``, now the newest (call with the lock held)."""
+        """A view of an unreferenced buffer of ``key``, now the newest (call with the lock held)."""
         pool = self._pools.get(key, [])
         free = self._free(pool)
         if free is None:
@@ -251,10 +248,10 @@ class StagingRing:
         buf = pool.pop(free)
         pool.append(buf)
         self.reused += 1
-        return buf
+        return buf.view()  # see _new
 
     def _new(self, key: tuple) -> np.ndarray:
-        """A spare buffer of ``key``, else a fresh one (call with the lock held)."""
+        """A view of a spare buffer of ``key``, else of a fresh one (call with the lock held)."""
         spare = self.spares.take(*key) if self.spares is not None else None
         buf = spare if spare is not None else aligned_empty(*key)
         self.allocated += 1
@@ -263,7 +260,10 @@ class StagingRing:
         pool.append(buf)
         if len(pool) > self.depth:
             pool.pop(0)  # stop tracking the oldest: freed once its last reader is gone
-        return buf
+        # A new array object over the same memory, made under the lock (a reference before any release() could
+        # hand the buffer on): JAX caches some conversions (e.g. int64 -> int32) by the array object, and must
+        # not see the old batch again (nor a spare's other stream).
+        return buf.view()
 
     def _free(self, pool: list[np.ndarray]) -> int | None:
         for i, buf in enumerate(pool):  # oldest first
@@ -274,9 +274,8 @@ class StagingRing:
     def release(self) -> None:
         """The stream is over: its buffers go to ``spares``; the ring forgets them all.
 
-        A buffer still referenced (the last partial batch a stream read
-        ahead, a transfer still reading one) goes too: ``spares`` lends it
-        only once its last reader is gone. Idempotent; the ring may still
+        A buffer still referenced (a transfer still reading it) goes too:
+        ``spares`` lends it only once its last reader is gone. Idempotent; the ring may still
         lend fresh buffers.
         """
         with self._lock:

@@ -361,6 +361,10 @@ class _Feeder:
             yield from self._flush(group)  # a step of its own (the end, a padded one): the ones before first
             group, size = [], 0
             if action is Step.END:
+                # What was read ahead and dropped (ragged="drop": the last partial batch) is let go before
+                # the stream ends, so its staging buffer goes to the next streams even while this iterator lives.
+                local = None
+                pending.clear()
                 yield _END, None
                 return
             out = self._step_out(action, local, n)
