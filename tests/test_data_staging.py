@@ -226,6 +226,38 @@ def test_spares_keep_at_most_their_limit_newest_first(bufs, limit):
     assert spares.nbytes == 0 and spares.take((1,), np.dtype("int8")) is None
 
 
+def test_a_finalizer_that_hands_buffers_over_inside_take_neither_hangs_nor_corrupts_the_spares():
+    # The garbage collector may run an iterator's finalizer, which hands its ring's buffers to the
+    # spares, on a thread inside Spares.take or give (at any allocation there): simulated by a shape
+    # whose comparison gives a buffer back. With a plain lock that thread waited for itself forever.
+    import threading
+
+    spares = Spares(limit=1 << 20)
+    i8 = np.dtype("int8")
+    kept = [aligned_empty((4,), i8) for _ in range(3)]
+    for b in kept:
+        spares.give(b)
+    late = aligned_empty((4,), i8)
+
+    class GivesBackWhenCompared(tuple):
+        def __eq__(self, other):
+            spares.give(late)  # as a finalizer would, re-entering on this thread
+            return tuple(self) == other
+
+        __hash__ = tuple.__hash__
+
+    got = []
+    worker = threading.Thread(target=lambda: got.append(spares.take(GivesBackWhenCompared((4,)), i8)), daemon=True)
+    worker.start()
+    worker.join(timeout=10)
+    assert not worker.is_alive(), "Spares.take hung: a give() re-entered on its own thread waited for its lock"
+    assert len(got) == 1 and got[0] is kept[-1]
+    # The re-entrant give kept nothing, and the list and its byte count are intact.
+    assert [id(b) for b in spares._bufs] == [id(b) for b in kept[:2]] and spares.nbytes == 8
+    spares.give(late)  # outside any take: kept as usual
+    assert spares.take((4,), i8) is late
+
+
 @pytest.mark.parametrize("value", ["lots", "-1", "1.5", ""])
 def test_a_bad_spares_size_in_the_environment_is_refused_naming_it(monkeypatch, value):
     monkeypatch.setenv("RAYSLICE_STAGING_SPARES_MB", value)

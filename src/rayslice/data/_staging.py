@@ -143,7 +143,11 @@ class Spares:
         self._limit = limit
         self.nbytes = 0
         self._bufs: list[np.ndarray] = []  # oldest first
-        self._lock = threading.Lock()
+        # Re-entrant, with a flag: the garbage collector may run an iterator's finalizer (which hands its
+        # ring's buffers over) on a thread inside take() or give(), at any allocation there. That call
+        # keeps nothing (it neither waits for the lock this thread holds nor changes the list in use).
+        self._lock = threading.RLock()
+        self._busy = False
 
     @property
     def limit(self) -> int:
@@ -156,20 +160,32 @@ class Spares:
         """Keeps ``buf`` (a finished stream's staging buffer) for a later stream."""
         limit = self.limit
         with self._lock:
-            self._bufs.append(buf)
-            self.nbytes += buf.nbytes
-            while self.nbytes > limit:
-                self.nbytes -= self._bufs.pop(0).nbytes
+            if self._busy:  # re-entered from a finalizer on this thread (see __init__): not kept
+                return
+            self._busy = True
+            try:
+                self._bufs.append(buf)
+                self.nbytes += buf.nbytes
+                while self.nbytes > limit:
+                    self.nbytes -= self._bufs.pop(0).nbytes
+            finally:
+                self._busy = False
 
     def take(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray | None:
         """A kept buffer of ``shape`` and ``dtype`` that nothing else references (the most recent), or None."""
         with self._lock:
-            for i in range(len(self._bufs) - 1, -1, -1):
-                buf = self._bufs[i]
-                if buf.shape == shape and buf.dtype == dtype and _unreferenced(buf):
-                    del self._bufs[i]
-                    self.nbytes -= buf.nbytes
-                    return buf
+            if self._busy:  # re-entered from a finalizer on this thread (see __init__)
+                return None
+            self._busy = True
+            try:
+                for i in range(len(self._bufs) - 1, -1, -1):
+                    buf = self._bufs[i]
+                    if buf.shape == shape and buf.dtype == dtype and _unreferenced(buf):
+                        del self._bufs[i]
+                        self.nbytes -= buf.nbytes
+                        return buf
+            finally:
+                self._busy = False
         return None
 
     def clear(self) -> None:
