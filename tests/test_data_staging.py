@@ -27,21 +27,18 @@ from rayslice.data._staging import (
 from rayslice.errors import InvalidArgument
 
 
-def wait_unreferenced(ring, ptr=None, timeout=10.0):
-    """Waits until the ring's buffer at ``ptr`` (None: each one) is unreferenced, or ``timeout`` passes.
+def wait_unreferenced(holder, ptr=None, timeout=10.0):
+    """Waits until the buffer at ``ptr`` (None: each one) of a ring or spares is unreferenced, or ``timeout`` passes.
 
     JAX lets go of the host array of a finished copy, or of a deleted array, a little after it reports
     the array ready or deleted (on a runtime thread, then at its next collection): a test that asserts
     a buffer is lent again at once would race with that.
     """
-    import time
-
-    from rayslice.data._staging import _release_jax_references, _unreferenced
-
+    pools = holder._pools.values() if isinstance(holder, StagingRing) else [holder._bufs]
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         _release_jax_references()
-        bufs = [b for pool in ring._pools.values() for b in pool if ptr is None or b.ctypes.data == ptr]
+        bufs = [b for pool in pools for b in pool if ptr is None or b.ctypes.data == ptr]
         if all(_unreferenced(b) for b in bufs):
             return
         del bufs
@@ -201,12 +198,7 @@ def test_a_finished_rings_buffers_go_to_the_next_ring_each_lent_once_unreference
     assert again.ctypes.data == held_ptr and nxt.from_spares == 2
     assert is_aligned(got) and nxt.alloc((3,), np.dtype("int32")).ctypes.data == other_ptr
     del reader
-    (last,) = spares._bufs
-    deadline = time.monotonic() + 10  # JAX lets go of the host array it aliased a little later
-    while not _unreferenced(last) and time.monotonic() < deadline:
-        _release_jax_references()
-        time.sleep(0.01)
-    del last
+    wait_unreferenced(spares, read_ptr)  # JAX lets go of the host array it aliased a little later
     assert nxt.alloc((4, 2), f32).ctypes.data == read_ptr and nxt.from_spares == 4 and spares.nbytes == 0
 
 

@@ -54,9 +54,11 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -156,36 +158,41 @@ class Spares:
             self._limit = spare_limit()
         return self._limit
 
-    def give(self, buf: np.ndarray) -> None:
-        """Keeps ``buf`` (a finished stream's staging buffer) for a later stream."""
-        limit = self.limit
+    @contextlib.contextmanager
+    def _held(self) -> Iterator[bool]:
+        """The lock, and whether this call may use the list: False where it re-entered (see __init__)."""
         with self._lock:
-            if self._busy:  # re-entered from a finalizer on this thread (see __init__): not kept
+            if self._busy:
+                yield False
                 return
             self._busy = True
             try:
-                self._bufs.append(buf)
-                self.nbytes += buf.nbytes
-                while self.nbytes > limit:
-                    self.nbytes -= self._bufs.pop(0).nbytes
+                yield True
             finally:
                 self._busy = False
 
+    def give(self, buf: np.ndarray) -> None:
+        """Keeps ``buf`` (a finished stream's staging buffer) for a later stream (not when re-entered)."""
+        limit = self.limit
+        with self._held() as usable:
+            if not usable:
+                return
+            self._bufs.append(buf)
+            self.nbytes += buf.nbytes
+            while self.nbytes > limit:
+                self.nbytes -= self._bufs.pop(0).nbytes
+
     def take(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray | None:
         """A kept buffer of ``shape`` and ``dtype`` that nothing else references (the most recent), or None."""
-        with self._lock:
-            if self._busy:  # re-entered from a finalizer on this thread (see __init__)
+        with self._held() as usable:
+            if not usable:
                 return None
-            self._busy = True
-            try:
-                for i in range(len(self._bufs) - 1, -1, -1):
-                    buf = self._bufs[i]
-                    if buf.shape == shape and buf.dtype == dtype and _unreferenced(buf):
-                        del self._bufs[i]
-                        self.nbytes -= buf.nbytes
-                        return buf
-            finally:
-                self._busy = False
+            for i in range(len(self._bufs) - 1, -1, -1):
+                buf = self._bufs[i]
+                if buf.shape == shape and buf.dtype == dtype and _unreferenced(buf):
+                    del self._bufs[i]
+                    self.nbytes -= buf.nbytes
+                    return buf
         return None
 
     def clear(self) -> None:
@@ -291,8 +298,8 @@ class StagingRing:
         """The stream is over: its buffers go to ``spares``; the ring forgets them all.
 
         A buffer still referenced (a transfer still reading it) goes too:
-        ``spares`` lends it only once its last reader is gone. Idempotent; the ring may still
-        lend fresh buffers.
+        ``spares`` lends it only once its last reader is gone. Idempotent;
+        the ring may still lend fresh buffers.
         """
         with self._lock:
             pools, self._pools = self._pools, {}
