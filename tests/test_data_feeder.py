@@ -76,6 +76,26 @@ def test_drop_counts():
     assert len(list(iter_jax_batches(chunks(16), batch_size=8, ragged="drop"))) == 2
 
 
+@pytest.mark.parametrize("pipeline", ["sync", "thread"])
+def test_drop_neither_collates_nor_joins_the_partial_batch_it_drops(pipeline):
+    # As Ray's drop_last: the dropped rows never reach collate_fn, nor a staging buffer.
+    seen = []
+
+    def collate(batch):
+        seen.append(len(batch["id"]))
+        return {"id": batch["id"], "x": batch["x"] * 2}
+
+    src = chunks(19, sizes=(8, 8, 2, 1))  # two whole batches (views), then 3 rows across two blocks
+    it = iter_jax_batches(src, batch_size=8, ragged="drop", collate_fn=collate, pipeline=pipeline)
+    got = list(it)
+    assert ids_of(got) == list(range(16)) and seen == [8, 8]
+    np.testing.assert_array_equal(np.asarray(got[1]["x"])[:, 0], 2 * np.arange(8, 16))
+    assert it._feeder._ring.allocated == 0  # nothing was joined
+    assert it.state()["finished"] and it.state()["rows"] == 16
+    kept = iter_jax_batches(chunks(19, sizes=(8, 8, 2, 1)), batch_size=8, ragged="pad", collate_fn=collate)
+    assert len(list(kept)) == 3 and seen[2:] == [8, 8, 3]  # under "pad" the same rows are joined and collated
+
+
 def test_raise_names_rows_left_and_comes_before_any_partial_batch():
     it = iter_jax_batches(chunks(19), batch_size=8)
     got = [next(it), next(it)]

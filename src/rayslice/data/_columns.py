@@ -20,20 +20,20 @@ from typing import Any
 
 import numpy as np
 
-from rayslice.data._rebatch import Batch, to_numpy_batch
+from rayslice.data._rebatch import Batch, Dropped, to_numpy_batch
 from rayslice.data.options import on_device
 
 ARRAY_KEY = "__rayslice_array__"  # a collate_fn that returns one array: unwrapped again at yield
 Schema = dict[str, list]  # column -> [dtype name, trailing shape]
 
 
-def rows_of(batch: Batch) -> int:
-    return len(next(iter(batch.values())))
+def rows_of(batch: Batch | Dropped) -> int:
+    return batch.rows if isinstance(batch, Dropped) else len(next(iter(batch.values())))
 
 
-def nbytes_of(batch: Batch) -> int:
-    """Bytes held by a host batch's columns."""
-    return sum(v.nbytes for v in batch.values())
+def nbytes_of(batch: Batch | Dropped) -> int:
+    """Bytes held by a host batch's columns (none for a dropped one)."""
+    return 0 if isinstance(batch, Dropped) else sum(v.nbytes for v in batch.values())
 
 
 def _collate_format(fn: Callable[..., Any]) -> str:

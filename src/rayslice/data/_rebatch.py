@@ -3,7 +3,9 @@
 Sources: a ``ray.data.Dataset``, a ``ray.data.DataIterator`` (e.g. one shard
 of ``streaming_split``), or any iterable of ``dict[str, np.ndarray]`` or
 ``pyarrow.Table`` batches of any size. Every batch but the last has exactly
-``batch_size`` rows; the last may be partial. ``skip_rows`` drops that many
+``batch_size`` rows; the last may be partial, or, for a stream that drops
+it (``drop_partial``), only counted: a :class:`Dropped` that holds its row
+count, never joined. ``skip_rows`` drops that many
 rows from the start (resuming from an iterator state); with a local shuffle
 the rows are skipped after shuffling, so a seeded stream resumes exactly.
 
@@ -11,6 +13,8 @@ Example:
     >>> import numpy as np
     >>> [len(b["x"]) for b in host_batches([{"x": np.arange(5)}, {"x": np.arange(6)}], 4)]
     [4, 4, 3]
+    >>> list(host_batches([{"x": np.arange(5)}, {"x": np.arange(6)}], 4, drop_partial=True))[-1]
+    Dropped(rows=3)
 """
 
 from __future__ import annotations
@@ -25,6 +29,24 @@ from rayslice.data.options import on_device
 
 Batch = dict[str, np.ndarray]
 Alloc = Callable[[tuple[int, ...], np.dtype], np.ndarray]
+
+
+class Dropped:
+    """The last partial batch of a stream that drops it: its row count, and nothing else.
+
+    Under ``ragged="drop"`` a partial batch ends the stream on every host, so
+    its rows are never joined into a staging buffer nor shown to a
+    ``collate_fn`` (as Ray's ``drop_last`` drops them before collating); only
+    the count reaches the other hosts, which end at the same step.
+    """
+
+    __slots__ = ("rows",)
+
+    def __init__(self, rows: int) -> None:
+        self.rows = rows
+
+    def __repr__(self) -> str:
+        return f"Dropped(rows={self.rows})"
 
 
 def _plain_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
@@ -137,10 +159,16 @@ def _assemble(
 
 
 def _rebatch(
-    batches: Iterable[Batch], batch_size: int, skip_rows: int, alloc: Alloc | None = None, lazy: bool = False
-) -> Iterator[Batch]:
+    batches: Iterable[Batch],
+    batch_size: int,
+    skip_rows: int,
+    alloc: Alloc | None = None,
+    lazy: bool = False,
+    drop_partial: bool = False,
+) -> Iterator[Batch | Dropped]:
     """Exact ``batch_size`` batches: zero-copy views where a batch lies inside one source
-    batch, else the pieces written into one staging buffer from ``alloc`` (``lazy``: kept as pieces)."""
+    batch, else the pieces written into one staging buffer from ``alloc`` (``lazy``: kept as pieces);
+    the last partial batch as it is, or with ``drop_partial`` as a :class:`Dropped` (unjoined)."""
     alloc = alloc or _plain_empty
     parts: list[Batch] = []
     origins: list[tuple[Batch, int]] = []  # each part's source batch and first row there
@@ -173,7 +201,7 @@ def _rebatch(
                 yield _assemble(parts, batch_size, alloc, lazy, origins)
                 parts, origins, have = [], [], 0
     if have:
-        yield _assemble(parts, have, alloc, lazy, origins)
+        yield Dropped(have) if drop_partial else _assemble(parts, have, alloc, lazy, origins)
 
 
 def check_source(source: Any) -> None:
@@ -256,7 +284,8 @@ def host_batches(
     shuffle_seed: int | None = None,
     alloc: Alloc | None = None,
     lazy: bool = False,
-) -> Iterator[Batch]:
+    drop_partial: bool = False,
+) -> Iterator[Batch | Dropped]:
     """Exact-size host batches from ``source`` (see module docstring).
 
     From Ray Data, blocks are read as they are in the object store (a
@@ -267,14 +296,15 @@ def host_batches(
     (64-byte aligned) memory; a batch spanning blocks is written piece by
     piece into one buffer from ``alloc`` (the feeder's staging buffers).
     With ``lazy``, such a batch's columns stay :class:`~rayslice.data._pieces.Pieces`
-    (joined on the device later).
+    (joined on the device later). With ``drop_partial``, the last partial
+    batch is a :class:`Dropped` (its rows counted, not joined).
     With a local shuffle, Ray shuffles and rows arrive ``fetch_batches``
     batches at a time. ``skip_rows`` (resuming) skips whole blocks unconverted.
     """
     if _is_ray_source(source):
         if shuffle_buffer is None and _is_materialized(source):
             blocks = _stored_blocks(source, columns, skip_rows, ray_prefetch_batches)
-            yield from _rebatch(blocks, batch_size, 0, alloc, lazy)
+            yield from _rebatch(blocks, batch_size, 0, alloc, lazy, drop_partial)
             return
         ds = source
         if columns is not None and hasattr(ds, "select_columns"):
@@ -303,9 +333,9 @@ def host_batches(
             for _ in range(whole):
                 if next(raw, None) is None:
                     return
-        yield from _rebatch(converted, batch_size, skip_rows, alloc, lazy)
+        yield from _rebatch(converted, batch_size, skip_rows, alloc, lazy, drop_partial)
         return
     batches: Iterable[Batch] = (to_numpy_batch(b, columns) for b in source)
     if shuffle_buffer is not None:
         batches = _shuffled(batches, shuffle_buffer, shuffle_seed, batch_size)
-    yield from _rebatch(batches, batch_size, skip_rows, alloc, lazy)
+    yield from _rebatch(batches, batch_size, skip_rows, alloc, lazy, drop_partial)

@@ -58,7 +58,7 @@ from rayslice._validate import fail
 from rayslice.data import _columns as cols
 from rayslice.data._agreement import RowAgreement, next_stream_id
 from rayslice.data._pieces import Pieces
-from rayslice.data._rebatch import Batch, check_source, host_batches
+from rayslice.data._rebatch import Batch, Dropped, check_source, host_batches
 from rayslice.data._sharding import batch_sharding, default_sharding
 from rayslice.data._staging import StagingRing
 from rayslice.data._steps import Step, decide
@@ -166,6 +166,7 @@ class _Feeder:
             shuffle_seed=o.local_shuffle_seed,
             alloc=self._alloc,
             lazy=self.assemble == "device",
+            drop_partial=o.ragged is Ragged.DROP,  # a partial batch ends the stream: counted, not joined
         )
         # CPU devices alias host memory (a batch on device costs no device memory), so the
         # consumer's next() transfers a few batches at once; elsewhere one at a time.
@@ -255,7 +256,7 @@ class _Feeder:
             if local is None:
                 self._source_done = True
                 return
-            pending.append(self._prepare(local))
+            pending.append(local if isinstance(local, Dropped) else self._prepare(local))
 
     def _read_or_abort(self, pending: collections.deque, want: int, step: int | None) -> None:
         try:
@@ -361,8 +362,9 @@ class _Feeder:
             yield from self._flush(group)  # a step of its own (the end, a padded one): the ones before first
             group, size = [], 0
             if action is Step.END:
-                # What was read ahead and dropped (ragged="drop": the last partial batch) is let go before
-                # the stream ends, so its staging buffer goes to the next streams even while this iterator lives.
+                # What was read ahead and dropped (ragged="drop": this host's full batch where another host's
+                # is partial) is let go before the stream ends, so its staging buffer goes to the next streams
+                # even while this iterator lives. (This host's own partial batch was never joined: a Dropped.)
                 local = None
                 pending.clear()
                 yield _END, None
