@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
+import weakref
 
 import numpy as np
 import pyarrow as pa
@@ -94,6 +97,45 @@ def test_drop_neither_collates_nor_joins_the_partial_batch_it_drops(pipeline):
     assert it.state()["finished"] and it.state()["rows"] == 16
     kept = iter_jax_batches(chunks(19, sizes=(8, 8, 2, 1)), batch_size=8, ragged="pad", collate_fn=collate)
     assert len(list(kept)) == 3 and seen[2:] == [8, 8, 3]  # under "pad" the same rows are joined and collated
+
+
+@pytest.mark.parametrize("agree", [False, True])
+@pytest.mark.parametrize("pipeline", ["sync", "thread"])
+def test_a_stream_shorter_than_one_batch_collates_nothing_under_drop_and_raise(pipeline, agree):
+    def collate(batch):
+        raise AssertionError(f"collate_fn called on {len(batch['id'])} dropped row(s)")
+
+    src = [{"id": np.arange(2)}, {"id": np.arange(2, 3)}]  # 3 rows across two blocks, batch_size 8
+    kw = dict(batch_size=8, collate_fn=collate, pipeline=pipeline, agree=agree)
+    it = iter_jax_batches(src, ragged="drop", **kw)
+    assert list(it) == [] and it.state()["finished"] and it.state()["rows"] == 0
+    # Under "raise", the documented error, not collate_fn's on rows that would never be yielded:
+    with pytest.raises(RaggedBatchError, match=r"3 row\(s\) left for batch_size 8"):
+        list(iter_jax_batches(src, ragged="raise", **kw))
+    with pytest.raises(RaggedBatchError, match=r"3 row\(s\) left for batch_size 8"):
+        list(
+            iter_jax_batches(
+                chunks(19), ragged="raise", **{**kw, "collate_fn": lambda b: b if len(b["id"]) == 8 else 1 / 0}
+            )
+        )
+
+
+@pytest.mark.parametrize("ragged", ["drop", "raise"])
+@pytest.mark.parametrize("pipeline", ["sync", "thread"])
+def test_a_stream_that_ends_at_a_partial_batch_lets_go_of_its_source(pipeline, ragged):
+    # The source is paused at its last batch when the stream ends there: closed, so the blocks it
+    # holds (Ray object-store memory, for a Dataset) are freed while the caller keeps the iterator.
+    src = [{"id": np.arange(i * 5, i * 5 + 5)} for i in range(4)]  # 20 rows: 2 batches of 8, then 4
+    alive = [weakref.ref(b["id"]) for b in src]
+    it = iter_jax_batches(iter(src), batch_size=8, ragged=ragged, pipeline=pipeline)
+    del src
+    got = []
+    with contextlib.suppress(RaggedBatchError):
+        for b in it:
+            got.append(np.asarray(b["id"]).tolist())
+    assert got == [list(range(8)), list(range(8, 16))]
+    gc.collect()
+    assert [r() is None for r in alive] == [True] * 4, "a source block outlived its stream"
 
 
 def test_raise_names_rows_left_and_comes_before_any_partial_batch():

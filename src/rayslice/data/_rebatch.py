@@ -19,7 +19,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -32,10 +32,11 @@ Alloc = Callable[[tuple[int, ...], np.dtype], np.ndarray]
 
 
 class Dropped:
-    """The last partial batch of a stream that drops it: its row count, and nothing else.
+    """The last partial batch of a stream that never yields one: its row count, and nothing else.
 
-    Under ``ragged="drop"`` a partial batch ends the stream on every host, so
-    its rows are never joined into a staging buffer nor shown to a
+    Under ``ragged="drop"`` a partial batch ends the stream on every host
+    (under ``"raise"`` it raises :class:`~rayslice.data.RaggedBatchError`),
+    so its rows are never joined into a staging buffer nor shown to a
     ``collate_fn`` (as Ray's ``drop_last`` drops them before collating); only
     the count reaches the other hosts, which end at the same step.
     """
@@ -285,7 +286,7 @@ def host_batches(
     alloc: Alloc | None = None,
     lazy: bool = False,
     drop_partial: bool = False,
-) -> Iterator[Batch | Dropped]:
+) -> Generator[Batch | Dropped, None, None]:
     """Exact-size host batches from ``source`` (see module docstring).
 
     From Ray Data, blocks are read as they are in the object store (a

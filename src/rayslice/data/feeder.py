@@ -166,7 +166,9 @@ class _Feeder:
             shuffle_seed=o.local_shuffle_seed,
             alloc=self._alloc,
             lazy=self.assemble == "device",
-            drop_partial=o.ragged is Ragged.DROP,  # a partial batch ends the stream: counted, not joined
+            # Under "drop" a partial batch ends the stream and under "raise" it raises RaggedBatchError, on
+            # every host: its rows are counted, never joined, cast or collated (nor checked).
+            drop_partial=o.ragged in (Ragged.DROP, Ragged.RAISE),
         )
         # CPU devices alias host memory (a batch on device costs no device memory), so the
         # consumer's next() transfers a few batches at once; elsewhere one at a time.
@@ -247,7 +249,7 @@ class _Feeder:
         return local
 
     def _read_ahead(self, pending: collections.deque, want: int) -> None:
-        """Fills ``pending`` with up to ``want`` prepared host batches."""
+        """Fills ``pending`` with up to ``want`` prepared host batches (the last may be a ``Dropped``)."""
         if self._deferred is not None and not pending:  # the batches read before the error are out
             e, self._deferred = self._deferred, None
             raise e
@@ -310,7 +312,17 @@ class _Feeder:
         return out
 
     def _generate(self) -> Generator[tuple[Any, int | None], None, None]:
-        """Every step's (batch on device, this host's rows), then (_END, None); errors raise."""
+        """Every step's (batch on device, this host's rows), then (_END, None); errors raise.
+
+        The source is closed however the steps end (its end, an error, ``close()``): paused
+        at a batch, it holds that batch's blocks (Ray object-store memory, for a Dataset).
+        """
+        try:
+            yield from self._steps()
+        finally:
+            self._source.close()
+
+    def _steps(self) -> Generator[tuple[Any, int | None], None, None]:
         o = self.options
         step = self._batches
         pending: collections.deque = collections.deque()
@@ -362,11 +374,14 @@ class _Feeder:
             yield from self._flush(group)  # a step of its own (the end, a padded one): the ones before first
             group, size = [], 0
             if action is Step.END:
-                # What was read ahead and dropped (ragged="drop": this host's full batch where another host's
-                # is partial) is let go before the stream ends, so its staging buffer goes to the next streams
-                # even while this iterator lives. (This host's own partial batch was never joined: a Dropped.)
+                # What was read ahead and dropped (ragged="drop": this host's full batches, up to agree_window,
+                # where another host's is partial) is let go before the stream ends, so its staging buffers go
+                # to the next streams even while this iterator lives (this host's own partial batch was never
+                # joined: a Dropped); so is the source, paused at its last batch (nothing resumes this
+                # generator after _END, so _generate's own close would wait for the iterator's end).
                 local = None
                 pending.clear()
+                self._source.close()
                 yield _END, None
                 return
             out = self._step_out(action, local, n)
