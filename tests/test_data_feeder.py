@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
+import threading
+import time
 import weakref
 
 import numpy as np
@@ -125,7 +127,9 @@ def test_a_stream_shorter_than_one_batch_collates_nothing_under_drop_and_raise(p
 def test_a_stream_that_ends_at_a_partial_batch_lets_go_of_its_source(pipeline, ragged):
     # The source is paused at its last batch when the stream ends there: closed, so the blocks it
     # holds (Ray object-store memory, for a Dataset) are freed while the caller keeps the iterator.
-    src = [{"id": np.arange(i * 5, i * 5 + 5)} for i in range(4)]  # 20 rows: 2 batches of 8, then 4
+    # 60 rows: 7 batches of 8, then 4 (the sync pipeline reads up to 8 ahead on CPU devices: the
+    # source is paused after the partial batch, not run out).
+    src = [{"id": np.arange(i * 5, i * 5 + 5)} for i in range(12)]
     alive = [weakref.ref(b["id"]) for b in src]
     it = iter_jax_batches(iter(src), batch_size=8, ragged=ragged, pipeline=pipeline)
     del src
@@ -133,9 +137,34 @@ def test_a_stream_that_ends_at_a_partial_batch_lets_go_of_its_source(pipeline, r
     with contextlib.suppress(RaggedBatchError):
         for b in it:
             got.append(np.asarray(b["id"]).tolist())
-    assert got == [list(range(8)), list(range(8, 16))]
+    assert got == [list(range(i * 8, i * 8 + 8)) for i in range(7)]
     gc.collect()
-    assert [r() is None for r in alive] == [True] * 4, "a source block outlived its stream"
+    assert [r() is None for r in alive] == [True] * 12, "a source block outlived its stream"
+
+
+def test_a_threaded_stream_dropped_midway_closes_its_source_without_waiting_for_the_garbage_collector():
+    # A caller that breaks out of the loop and drops the iterator: the prefetch thread, the only one
+    # that runs the steps, closes them as it stops, so the source (a Ray DataIterator's epoch, say)
+    # ends now, not whenever a collection frees the feeder (maybe during the next epoch).
+    closed = threading.Event()
+
+    def source():
+        try:
+            yield from chunks(400)
+        finally:
+            closed.set()
+
+    gc.disable()  # nothing is freed by a collection meanwhile
+    try:
+        it = iter_jax_batches(source(), batch_size=8, pipeline="thread", prefetch=2)
+        next(it)
+        full = time.monotonic() + 10
+        while it._feeder._queue.qsize() < 2 and time.monotonic() < full:  # the thread waits to put a batch
+            time.sleep(0.01)
+        del it  # its __del__ stops the thread without waiting for it
+        assert closed.wait(10), "the source stayed open after its stream was dropped"
+    finally:
+        gc.enable()
 
 
 def test_raise_names_rows_left_and_comes_before_any_partial_batch():

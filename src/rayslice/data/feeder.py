@@ -426,6 +426,10 @@ class _Feeder:
                     return
         except BaseException as e:  # handed to the consumer, raised in order
             self._put((e, None))
+        finally:
+            # This thread alone runs the steps: closed here as it stops (the stream's end, an error, or
+            # a caller that stopped early), the source closes now, not when a collection frees the feeder.
+            self._gen.close()
 
     # -- consumer -----------------------------------------------------
     def __next__(self) -> Any:
