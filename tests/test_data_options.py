@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rayslice.data._steps import Step, decide
+from rayslice.data._steps import NEVER_PARTIAL, Step, decide
 from rayslice.data.options import FeederOptions, Ragged, RaggedBatchError, build_options, check_state
 from rayslice.errors import InvalidArgument
 
@@ -357,5 +357,6 @@ def test_every_host_takes_the_same_documented_step(batch, hosts, data, ragged, s
         assert step is Step.FULL
     else:
         assert step is {Ragged.DROP: Step.END, Ragged.PAD: Step.PAD, Ragged.KEEP: Step.KEEP}[ragged]
+        assert (step is Step.END) == (ragged in NEVER_PARTIAL)  # a partial step: never yielded there
         if step is Step.KEEP:
             assert len(set(counts)) == 1 and (counts[0] * hosts) % shards == 0

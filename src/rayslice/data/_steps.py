@@ -26,6 +26,11 @@ from rayslice.data.options import Ragged, RaggedBatchError
 _FIX = "pass ragged='drop' or ragged='pad' (Ray's drop_last=True or paddings=0)"
 
 
+#: The policies under which :func:`decide` never yields a partial step (it ends the stream or raises):
+#: there a host's last partial batch is only counted, never assembled (see ``_rebatch.Dropped``).
+NEVER_PARTIAL = frozenset({Ragged.DROP, Ragged.RAISE})
+
+
 class Step(str, enum.Enum):
     FULL = "full"  # every host has batch_size rows
     PAD = "pad"  # some host is short: pad every short host to batch_size

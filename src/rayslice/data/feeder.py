@@ -61,7 +61,7 @@ from rayslice.data._pieces import Pieces
 from rayslice.data._rebatch import Batch, Dropped, check_source, host_batches
 from rayslice.data._sharding import batch_sharding, default_sharding
 from rayslice.data._staging import StagingRing
-from rayslice.data._steps import Step, decide
+from rayslice.data._steps import NEVER_PARTIAL, Step, decide
 from rayslice.data._transfer import Transfers
 from rayslice.data.options import FeederOptions, Ragged, build_options, check_state
 
@@ -168,7 +168,7 @@ class _Feeder:
             lazy=self.assemble == "device",
             # Under "drop" a partial batch ends the stream and under "raise" it raises RaggedBatchError, on
             # every host: its rows are counted, never joined, cast or collated (nor checked).
-            drop_partial=o.ragged in (Ragged.DROP, Ragged.RAISE),
+            drop_partial=o.ragged in NEVER_PARTIAL,
         )
         # CPU devices alias host memory (a batch on device costs no device memory), so the
         # consumer's next() transfers a few batches at once; elsewhere one at a time.
@@ -377,8 +377,9 @@ class _Feeder:
                 # What was read ahead and dropped (ragged="drop": this host's full batches, up to agree_window,
                 # where another host's is partial) is let go before the stream ends, so its staging buffers go
                 # to the next streams even while this iterator lives (this host's own partial batch was never
-                # joined: a Dropped); so is the source, paused at its last batch (nothing resumes this
-                # generator after _END, so _generate's own close would wait for the iterator's end).
+                # joined: a Dropped); so is the source, paused at its last batch, before the end is handed
+                # over (nothing resumes this generator after _END: a later close comes after the caller
+                # has seen the end, the prefetch thread's as it stops, or _generate's when it is freed).
                 local = None
                 pending.clear()
                 self._source.close()
