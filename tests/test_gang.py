@@ -156,7 +156,7 @@ def test_warm_up_skips_optional_modules_that_are_not_installed_and_fails_on_requ
     import gc
     import sys
 
-    from rayslice.gang import _HostProcess
+    from rayslice.gang._process import _HostProcess
 
     proc = object.__new__(_HostProcess)  # the actor's body, without the actor (no SIGTERM handler installed here)
     proc._held, proc._ctx = None, None

@@ -11,14 +11,16 @@ import pytest
 from rayslice import gang as gang_mod
 from rayslice._deadline import Deadline
 from rayslice.errors import GangError, Outcome, classify
-from rayslice.gang import HostContext, _LocalHost, _LocalRef, _ordered_get
+from rayslice.gang import HostContext, _process
+from rayslice.gang._gather import _ordered_get
+from rayslice.gang._local import _LocalHost, _LocalRef
 
 
 @pytest.fixture
 def local(monkeypatch):
     """A local rank 0 whose environment and context changes are undone after the test."""
     monkeypatch.setattr(os, "environ", dict(os.environ))
-    monkeypatch.setattr(gang_mod, "_CONTEXT", None)
+    monkeypatch.setattr(_process, "_CONTEXT", None)
     ctx = HostContext(
         rank=0,
         world_size=2,

@@ -10,7 +10,7 @@ import ray
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rayslice.gang import _pack
+from rayslice.gang._packing import _pack
 
 
 @dataclasses.dataclass
@@ -64,22 +64,22 @@ def test_a_serving_step_takes_the_standard_pickler_and_loads_the_same():
 def test_functions_sent_by_value_keep_going_through_cloudpickle():
     from ray import cloudpickle
 
-    import rayslice.gang as gang
+    from rayslice.gang import _packing
 
     def local(x):
         return x + 1
 
-    assert not gang._by_reference(local) and not gang._by_reference(lambda: 1)
+    assert not _packing._by_reference(local) and not _packing._by_reference(lambda: 1)
     assert _loaded(_pack(local, (1,), {})) == 2
     # A module registered by value is pickled by value for hosts that cannot import it:
     # the standard pickler would name it, so the call must not take the fast path.
     cloudpickle.register_pickle_by_value(dataclasses)
     try:
-        assert not gang._by_reference(dataclasses.fields)
+        assert not _packing._by_reference(dataclasses.fields)
         assert _pack(dataclasses.fields, (1,), {}) != pickle.dumps((dataclasses.fields, (1,), {}), protocol=5)
     finally:
         cloudpickle.unregister_pickle_by_value(dataclasses)
-        gang._BY_REFERENCE.clear()
+        _packing._BY_REFERENCE.clear()
 
 
 def test_an_object_array_or_unknown_object_is_never_taken_for_plain_data():

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from rayslice import gang
 from rayslice.errors import InvalidArgument
+from rayslice.gang import _process
 from rayslice.train import AttemptEnd, FailureConfig
 from rayslice.train.goodput import GoodputTracker
 from rayslice.train.notice import MemoryKV, NoticeAgreement, NoticeSources
@@ -139,12 +140,12 @@ def test_sigterm_is_a_notice_only_while_someone_listens():
     seen = []
     remove = gang.on_sigterm(seen.append)
     try:
-        gang._sigterm(15, None)
+        _process._sigterm(15, None)
     finally:
         remove()
     assert seen == ["SIGTERM"]
     with pytest.raises(SystemExit):  # nobody listens: the process ends, as Ray's workers do
-        gang._sigterm(15, None)
+        _process._sigterm(15, None)
 
 
 def test_notice_settings_are_validated_and_the_ending_is_recorded():
