@@ -19,6 +19,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -31,6 +32,7 @@ Batch = dict[str, np.ndarray]
 Alloc = Callable[[tuple[int, ...], np.dtype], np.ndarray]
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
 class Dropped:
     """The last partial batch of a stream that never yields one: its row count, and nothing else.
 
@@ -41,13 +43,7 @@ class Dropped:
     the count reaches the other hosts, which end at the same step.
     """
 
-    __slots__ = ("rows",)
-
-    def __init__(self, rows: int) -> None:
-        self.rows = rows
-
-    def __repr__(self) -> str:
-        return f"Dropped(rows={self.rows})"
+    rows: int
 
 
 def _plain_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
