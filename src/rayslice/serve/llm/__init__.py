@@ -23,7 +23,7 @@ from rayslice.serve.llm.api import APIError
 from rayslice.serve.llm.deployment import LLMConfig, LLMServer, app, build_app, llm_deployment
 from rayslice.serve.llm.engine import Engine, EngineConfig, EngineError, SamplingParams, Scheduler, local_engine
 from rayslice.serve.llm.model import LMConfig
-from rayslice.serve.llm.runner import compile_count
+from rayslice.serve.llm.programs import compile_count
 from rayslice.serve.llm.tokenizer import ByteTokenizer
 from rayslice.serve.llm.training import lm_train_loop, stdlib_corpus, train_tiny_lm
 from rayslice.serve.llm.weights import load_params

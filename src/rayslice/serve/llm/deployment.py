@@ -157,7 +157,7 @@ class SliceExecutor:
     def __init__(self, cfg: LLMConfig) -> None:
         from rayslice.gang import SliceGang
         from rayslice.placement import slice_placement_group
-        from rayslice.serve.llm import runner
+        from rayslice.serve.llm import _host
 
         self.cfg = cfg
         self.gang: Any = None
@@ -182,7 +182,7 @@ class SliceExecutor:
                 cpu_collectives=resolve_layout(cfg.layout, hosts) != "data_tensor",
             ).start()
             self.host_info = self.gang.run(
-                runner.host_setup, cfg.lm, cfg.engine_kwargs(), cfg.checkpoint, cfg.seed, timeout_s=cfg.init_timeout_s
+                _host.host_setup, cfg.lm, cfg.engine_kwargs(), cfg.checkpoint, cfg.seed, timeout_s=cfg.init_timeout_s
             )
         except BaseException:
             self.close()
@@ -190,7 +190,7 @@ class SliceExecutor:
         self._compiles = sum(i["compiles"] for i in self.host_info)
         self.slot_groups = int(self.host_info[0]["mesh"]["data"])
         self.layout = str(self.host_info[0]["layout"])
-        # With no collective between hosts, a host runs only the programs of its own slots (runner.host_step),
+        # With no collective between hosts, a host runs only the programs of its own slots (_host.host_step),
         # and its state changes only by them: a step goes to the hosts that hold its work, the others stay idle.
         # (A host lost while idle is found by the replica's health check, or by the next step it is sent.)
         self._skip = all(i["skips_others"] for i in self.host_info)
@@ -208,14 +208,14 @@ class SliceExecutor:
         return [r for r in ranks if self._groups_of_rank[r] & groups] or ranks
 
     async def run(self, step: Step) -> StepResult:
-        from rayslice.serve.llm import runner
+        from rayslice.serve.llm import _host
 
         if self.gang is None:
             raise EngineError("the slice was released")
         loop = asyncio.get_running_loop()
         started = loop.time()
         ranks = self.ranks_with_work(step)
-        refs = self.gang.run_async_on(ranks, runner.host_step, step)
+        refs = self.gang.run_async_on(ranks, _host.host_step, step)
         futures = [asyncio.ensure_future(_await(r)) for r in refs]
         pending = set(futures)
         while pending:
@@ -240,12 +240,12 @@ class SliceExecutor:
 
     def compiles(self) -> int:
         """Compilations on every host of the slice (fetched from the hosts)."""
-        from rayslice.serve.llm import runner
+        from rayslice.serve.llm import _host
 
         if self.gang is None:
             return self._compiles
         try:
-            return sum(s["compiles"] for s in self.gang.run(runner.host_stats, timeout_s=10))
+            return sum(s["compiles"] for s in self.gang.run(_host.host_stats, timeout_s=10))
         except Exception:
             return -1
 

@@ -404,7 +404,7 @@ class LocalExecutor:
         return await asyncio.to_thread(self.runner.step, step)
 
     def compiles(self) -> int:
-        from rayslice.serve.llm.runner import compile_count
+        from rayslice.serve.llm.programs import compile_count
 
         return compile_count()
 

@@ -27,8 +27,6 @@ whatever else is batched with it.
 from __future__ import annotations
 
 import dataclasses
-import re
-import threading
 import time
 from typing import Any
 
@@ -41,39 +39,24 @@ from rayslice.serve.llm.model import (
     LMConfig,
     cache_spec,
     check_params,
-    init_params,
     make_mesh,
     module,
     param_specs,
     resolve_layout,
 )
+from rayslice.serve.llm.programs import collectives_spanning, compile_count, count_compiles
 
-_COMPILES = 0
-_LISTENING = False
-_LOCK = threading.Lock()
-_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
-
-
-def _on_event(event: str, duration_secs: float, **kwargs: Any) -> None:
-    global _COMPILES
-    if event == _COMPILE_EVENT:
-        with _LOCK:
-            _COMPILES += 1
-
-
-def compile_count() -> int:
-    """XLA compilations in this process since the first runner was created."""
-    return _COMPILES
-
-
-def _listen() -> None:
-    global _LISTENING
-    import jax
-
-    with _LOCK:
-        if not _LISTENING:
-            jax.monitoring.register_event_duration_secs_listener(_on_event)
-            _LISTENING = True
+__all__ = [
+    "Decode",
+    "ModelRunner",
+    "Prefill",
+    "Step",
+    "StepResult",
+    "collectives_spanning",
+    "compile_count",
+    "merge_results",
+    "sample",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,6 +145,7 @@ class ModelRunner:
         mesh: An explicit ("data", "model") mesh (instead of ``devices``, ``layout`` and ``tensor_parallel``).
 
     Example:
+        >>> from rayslice.serve.llm.model import init_params
         >>> lm = LMConfig(d_model=16, num_layers=1, num_heads=2, d_ff=32, max_len=16)
         >>> r = ModelRunner(lm, init_params(lm), num_slots=2, max_context=16, vocab_limit=264)
         >>> r.warm_up((8,)) == len(r.local_groups) + 1  # a prefill per bucket and slot group, one decode
@@ -189,7 +173,7 @@ class ModelRunner:
         import jax.numpy as jnp
         from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-        _listen()
+        count_compiles()
         check_params(lm, params)
         self.lm, self.num_slots, self.max_context = lm, num_slots, max_context
         devs = jax.devices() if devices is None else list(devices)
@@ -206,7 +190,7 @@ class ModelRunner:
         self.local_groups = frozenset(
             g for g in range(self.groups) if any(d.process_index == here for d in self.mesh.devices[g].flat)
         )
-        # Set by host_setup once the compiled programs are known to have no collective between hosts: a host
+        # Set by _host.host_setup once the compiled programs are known to have no collective between hosts: a host
         # then runs only the programs that touch its own slots (the others' results do not depend on it).
         self.skip_others = False
         self._local_devices = [d for d in self.mesh.devices.flat if d.process_index == here]
@@ -550,54 +534,6 @@ class ModelRunner:
         return out
 
 
-_COLLECTIVE = re.compile(
-    r"(?<![%\w.-])(all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute|collective-broadcast)"
-    r"(-start)?\("
-)
-_GROUPS = re.compile(r"(?:replica_groups|source_target_pairs)=(\{[{}\d,\s]*\}|\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?)")
-
-
-def _parse_groups(text: str, num_ids: int) -> list[list[int]]:
-    if text.startswith("["):  # iota form: [groups,size]<=[dims]T(perm)
-        m = re.fullmatch(r"\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", text)
-        assert m is not None
-        shape = [int(x) for x in m.group(1).split(",")]
-        ids = np.arange(int(np.prod([int(x) for x in m.group(2).split(",")])))
-        ids = ids.reshape([int(x) for x in m.group(2).split(",")])
-        if m.group(3):
-            ids = ids.transpose([int(x) for x in m.group(3).split(",")])
-        return ids.reshape(shape[0], -1).tolist()
-    groups = [[int(x) for x in g.split(",") if x.strip()] for g in re.findall(r"\{([\d,\s]*)\}", text[1:-1])]
-    groups = [g for g in groups if g]
-    return groups or [list(range(num_ids))]  # {} means every device
-
-
-def collectives_spanning(hlo: str, group_of: list[int]) -> list[str]:
-    """Lines of ``hlo`` holding a collective between devices of different groups.
-
-    ``group_of[i]`` is the group (e.g. the host) of the device with
-    partition id ``i`` (the mesh's devices in row-major order). A collective
-    with no explicit groups spans every device.
-
-    Example:
-        >>> hlo = ("%a = f32[2] all-reduce(%x), replica_groups={{0,1},{2,3}}\\n"
-        ...        "%b = f32[2] all-gather(%a), replica_groups=[1,4]<=[4]")
-        >>> [line[:2] for line in collectives_spanning(hlo, [0, 0, 1, 1])]
-        ['%b']
-        >>> collectives_spanning(hlo, [0, 0, 0, 0])
-        []
-    """
-    out = []
-    for line in hlo.splitlines():
-        if not _COLLECTIVE.search(line):
-            continue
-        m = _GROUPS.search(line)
-        groups = _parse_groups(m.group(1), len(group_of)) if m else [list(range(len(group_of)))]
-        if any(len({group_of[i] for i in g}) > 1 for g in groups):
-            out.append(line.strip())
-    return out
-
-
 def merge_results(results: list[StepResult]) -> StepResult:
     """One result from every process's (each knows the tokens of the slots it holds).
 
@@ -614,63 +550,3 @@ def merge_results(results: list[StepResult]) -> StepResult:
     if first.decode_tokens is not None:
         decode = np.max(np.stack([np.asarray(r.decode_tokens) for r in results]), axis=0)
     return StepResult(prefill, decode, max(r.device_s for r in results))
-
-
-# -- inside gang processes (one per host of the slice) ----------------------------------------------
-
-_RUNNER: ModelRunner | None = None
-
-
-def host_setup(lm: LMConfig, engine_kwargs: dict[str, Any], checkpoint: str | None, seed: int) -> dict[str, Any]:
-    """Builds this host's runner over every device of the slice and compiles every program."""
-    global _RUNNER
-    import jax
-
-    from rayslice.serve.llm.weights import load_params
-
-    params = init_params(lm, seed) if checkpoint is None else load_params(checkpoint)
-    _RUNNER = ModelRunner(
-        lm,
-        params,
-        num_slots=engine_kwargs["num_slots"],
-        max_context=engine_kwargs["max_context"],
-        vocab_limit=engine_kwargs["vocab_limit"],
-        layout=engine_kwargs.get("layout", "auto"),
-        tensor_parallel=engine_kwargs.get("tensor_parallel"),
-    )
-    no_gloo = getattr(jax.config, "jax_cpu_collectives_implementation", "gloo") is None
-    if jax.process_count() > 1 and no_gloo and jax.default_backend() == "cpu" and not _RUNNER.host_local:
-        raise RuntimeError(
-            f"layout {_RUNNER.layout!r} (mesh {dict(_RUNNER.mesh.shape)}) runs programs across hosts, but the "
-            "hosts were started without cross-process collectives (SliceGang(cpu_collectives=False))"
-        )
-    compiles = _RUNNER.warm_up(tuple(engine_kwargs["prefill_buckets"]))
-    crossing = _RUNNER.collectives_between_hosts(min(engine_kwargs["prefill_buckets"]))
-    _RUNNER.skip_others = not crossing and jax.process_count() > 1
-    import gc
-
-    gc.freeze()  # the model, its programs and JAX live as long as the replica: no full collection rescans them
-    return {
-        "process_index": jax.process_index(),
-        "process_count": jax.process_count(),
-        "device_count": jax.device_count(),
-        "mesh": dict(_RUNNER.mesh.shape),
-        "layout": _RUNNER.layout,
-        "cross_host_collectives": len(crossing),
-        "skips_others": _RUNNER.skip_others,
-        "host_local": _RUNNER.host_local,
-        "local_groups": sorted(_RUNNER.local_groups),
-        "warm_up_compiles": compiles,
-        "compiles": compile_count(),
-    }
-
-
-def host_step(step: Step) -> StepResult:
-    """One engine iteration on this host: the tokens of the slots it holds (see :func:`merge_results`)."""
-    if _RUNNER is None:
-        raise RuntimeError("the model was not set up on this host")
-    return _RUNNER.step(step)
-
-
-def host_stats() -> dict[str, int]:
-    return {"compiles": compile_count()}
