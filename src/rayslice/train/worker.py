@@ -31,11 +31,20 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import numpy as np
-
 from rayslice._validate import fail
+from rayslice.train import _values
 from rayslice.train import context as _context
 from rayslice.train._compile import compile_clock, enable_compilation_cache
+from rayslice.train._values import (
+    _PLAIN_TYPES,
+    _checkpointable,
+    _is_ready,
+    _jax_array_types,
+    _json_safe,
+    _plain,
+    _read_jax,
+    _wait_until_ready,
+)
 from rayslice.train.checkpoint import (
     Checkpoint,
     CheckpointWriter,
@@ -163,81 +172,8 @@ def get_dataset_shard(name: str) -> Any:
     return shards[name]
 
 
-#: Metric values that are plain Python already (checked by exact type first: report() is on the step's path).
-_PLAIN_TYPES = frozenset({bool, int, float, str, type(None)})
-
-
-def _plain(v: Any) -> Any:
-    """A metric value as plain Python, structure kept: arrays become lists, scalars Python numbers."""
-    if type(v) in _PLAIN_TYPES or isinstance(v, bool | int | float | str):  # subclasses too (e.g. IntEnum)
-        return v
-    if type(v) in _jax_array_types():  # the usual metric: a computed jax scalar
-        return _read_jax(v)
-    if isinstance(v, Mapping):
-        return {k: _plain(x) for k, x in v.items()}
-    if isinstance(v, list | tuple):
-        return type(v)(_plain(x) for x in v)
-    tolist = getattr(v, "tolist", None)  # numpy / jax arrays and scalars (0-d: a Python number)
-    if callable(tolist) and hasattr(v, "dtype"):
-        try:
-            return tolist()
-        except Exception:
-            return v
-    return v  # anything else travels as itself (pickled by Ray)
-
-
-def _read_jax(v: Any) -> Any:
-    """A computed ``jax.Array`` as plain Python (itself if it cannot be read)."""
-    try:
-        return np.asarray(v).tolist()  # its host buffer as numpy first: a third of Array.tolist()'s cost
-    except Exception:
-        return v
-
-
-_JAX_ARRAY_TYPES: frozenset[type] = frozenset()
-
-
-def _jax_array_types() -> frozenset[type]:
-    """The concrete types of ``jax.Array`` values (empty while JAX is not imported: nothing can be one)."""
-    global _JAX_ARRAY_TYPES
-    if not _JAX_ARRAY_TYPES:
-        import sys
-
-        if "jax" in sys.modules:
-            from jax._src.array import ArrayImpl
-
-            _JAX_ARRAY_TYPES = frozenset({ArrayImpl})
-    return _JAX_ARRAY_TYPES
-
-
-def _json_safe(v: Any) -> Any:
-    return json.loads(json.dumps(v, default=str))
-
-
 _MAX_STEPS_IN_FLIGHT = 4
 _RAW = "_raw"  # a report's key while its metrics may hold device values (removed by the drain)
-
-
-def _wait_until_ready(v: Any) -> None:
-    if isinstance(v, Mapping):
-        for x in v.values():
-            _wait_until_ready(x)
-    elif isinstance(v, list | tuple):
-        for x in v:
-            _wait_until_ready(x)
-    elif callable(getattr(v, "block_until_ready", None)):
-        v.block_until_ready()
-
-
-def _is_ready(v: Any) -> bool:
-    if type(v) in _PLAIN_TYPES:
-        return True
-    if isinstance(v, Mapping):
-        return all(_is_ready(x) for x in v.values())
-    if isinstance(v, list | tuple):
-        return all(_is_ready(x) for x in v)
-    is_ready = getattr(v, "is_ready", None)
-    return is_ready() if callable(is_ready) else True
 
 
 def _gather_states(s: _Session, step: int, states: dict[str, Any]) -> dict[str, list[Any]]:
@@ -262,53 +198,6 @@ def _gather_states(s: _Session, step: int, states: dict[str, Any]) -> dict[str, 
             pass
     s.last_gather = f"{key}/{s.ctx.world_rank}"
     return {k: [p.get(k) for p in per_rank] for k in states}
-
-
-def _checkpointable(tree: Any) -> Any:
-    """The pytree with every leaf Orbax can save on a multi-host run, or an error naming the bad leaf.
-
-    Host-local ``jax.Array`` leaves (committed to this host's devices, e.g. a
-    ``jnp`` scalar computed outside ``jit``) cannot be saved by Orbax when more
-    than one process runs; they are taken as replicated (every host holds the
-    same value, as SPMD code does) and made global over all devices. NumPy
-    arrays and Python numbers are saved as they are.
-    """
-    import jax
-    import numpy as np
-
-    multi = jax.process_count() > 1
-    mesh = None
-
-    def fix(path: Any, leaf: Any) -> Any:
-        nonlocal mesh
-        where = f"report(checkpoint=...) leaf {jax.tree_util.keystr(path) or '<root>'}"
-        if isinstance(leaf, jax.Array):
-            if multi and leaf.is_fully_addressable:
-                if mesh is None:
-                    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("hosts",))
-                replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-                return jax.make_array_from_process_local_data(replicated, np.asarray(leaf))
-            return leaf
-        if isinstance(leaf, np.ndarray):
-            if leaf.dtype == object or leaf.dtype.kind in "USV":
-                raise fail(
-                    where,
-                    leaf,
-                    "an array of numbers (not strings or objects): put them in metrics, "
-                    "or save files with Checkpoint.from_directory(dir)",
-                )
-            return leaf
-        if isinstance(leaf, bool | int | float | complex | np.generic):
-            return leaf
-        raise fail(
-            where,
-            leaf,
-            "a jax.Array, numpy array or Python number: put other values in metrics, "
-            "or save files with Checkpoint.from_directory(dir)",
-            got_type=True,
-        )
-
-    return jax.tree_util.tree_map_with_path(fix, tree)
 
 
 def _save_decision(s: _Session, step: int) -> bool:
@@ -390,7 +279,7 @@ def report(metrics: Mapping[str, Any], checkpoint: Any = None) -> None:
     # the driver's drain converts them later.
     clean: dict[str, Any] = {}
     computing = False
-    jax_types = _JAX_ARRAY_TYPES or _jax_array_types()
+    jax_types = _values._JAX_ARRAY_TYPES or _jax_array_types()
     for k, v in metrics.items():
         if type(k) is not str and not isinstance(k, str):
             raise fail("metrics", metrics, "a dict with string keys")
