@@ -40,8 +40,9 @@ def compile_count() -> int:
     Example:
         >>> import jax, jax.numpy as jnp
         >>> count_compiles()
+        >>> x = jnp.arange(5)  # made first: it may compile a program of its own
         >>> before = compile_count()
-        >>> _ = jax.jit(lambda x: x * 3 + 1)(jnp.arange(5))
+        >>> _ = jax.jit(lambda x: x * 3 + 1)(x)
         >>> compile_count() - before
         1
     """
@@ -71,8 +72,8 @@ def _parse_groups(text: str, num_ids: int) -> list[list[int]]:
         m = re.fullmatch(r"\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", text)
         assert m is not None
         shape = [int(x) for x in m.group(1).split(",")]
-        ids = np.arange(int(np.prod([int(x) for x in m.group(2).split(",")])))
-        ids = ids.reshape([int(x) for x in m.group(2).split(",")])
+        dims = [int(x) for x in m.group(2).split(",")]
+        ids = np.arange(int(np.prod(dims))).reshape(dims)
         if m.group(3):
             ids = ids.transpose([int(x) for x in m.group(3).split(",")])
         return ids.reshape(shape[0], -1).tolist()
