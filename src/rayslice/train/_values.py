@@ -111,7 +111,6 @@ def _checkpointable(tree: Any) -> Any:
     arrays and Python numbers are saved as they are.
     """
     import jax
-    import numpy as np
 
     multi = jax.process_count() > 1
     mesh = None
