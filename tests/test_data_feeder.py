@@ -283,7 +283,7 @@ def test_source_errors_surface_in_order():
 
 @pytest.mark.parametrize("ragged", ["drop", "keep", "pad", "raise"])
 def test_grouped_transfers_on_cpu_give_the_same_batches_as_one_at_a_time(ragged, monkeypatch):
-    from rayslice.data import feeder
+    from rayslice.data import _pipeline
 
     source = chunks(204)  # 25 full batches of 8 and 4 rows left (they split over the 4 devices)
     calls = []
@@ -302,7 +302,7 @@ def test_grouped_transfers_on_cpu_give_the_same_batches_as_one_at_a_time(ragged,
     grouped = run()
     n_grouped = len(calls)
     calls.clear()
-    monkeypatch.setattr(feeder, "GROUP_MAX_BATCHES", 1)
+    monkeypatch.setattr(_pipeline, "GROUP_MAX_BATCHES", 1)
     single = run()
     assert len(grouped) == len(single) and len(grouped) in (25, 26)
     for a, b in zip(grouped, single):

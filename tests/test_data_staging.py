@@ -162,10 +162,10 @@ def test_a_buffer_is_lent_again_once_neither_the_batch_nor_a_transfer_references
 _DONATING_CONSUMER = """
 import sys
 import jax, numpy as np
-import rayslice.data.feeder as feeder
+from rayslice.data import _pipeline
 from rayslice.data import iter_jax_batches
 
-feeder._reuses_staging = lambda platform: True  # the accelerators' ring, its buffers kept between streams
+_pipeline.reuses_staging = lambda platform: True  # the accelerators' ring, its buffers kept between streams
 # int64 ids, converted (so copied) on their way to CPU devices, as on an accelerator; every batch spans blocks.
 src = [{"id": np.arange(i * 300, i * 300 + 300, dtype=np.int64)} for i in range(800)]
 step = jax.jit(lambda x: x + 1, donate_argnums=0)
@@ -297,11 +297,11 @@ def test_the_environment_sets_how_much_idle_staging_is_kept(monkeypatch):
 def test_the_next_stream_writes_into_the_last_streams_staging_buffers(monkeypatch):
     # As on accelerators (a transfer copies; int64 is converted, so copied, on CPU too): the second
     # stream takes the first's buffers, already paged in, and the first stream's batches stay intact.
-    import rayslice.data.feeder as feeder
+    from rayslice.data import _pipeline
 
     if jax.config.jax_enable_x64:  # int64 would be aliased, not copied: not a platform with a ring
         pytest.skip("needs int64 converted (copied) on its way to CPU devices")
-    monkeypatch.setattr(feeder, "_reuses_staging", lambda platform: True)
+    monkeypatch.setattr(_pipeline, "reuses_staging", lambda platform: True)
     SPARES.clear()
     src = [{"id": np.arange(i * 12, i * 12 + 12, dtype=np.int64)} for i in range(40)]
     first = iter_jax_batches(src, batch_size=16, pipeline="thread", prefetch=2)
@@ -322,11 +322,11 @@ def test_drop_stages_nothing_for_its_partial_batch_and_the_next_streams_fault_in
     # Under ragged="drop" the last partial batch (10 rows across two blocks) is only counted, never
     # joined into a staging buffer of its own shape; every buffer a stream did take goes to the spares
     # as it ends, so the next streams fault in nothing (their iterators still alive).
-    import rayslice.data.feeder as feeder
+    from rayslice.data import _pipeline
 
     if jax.config.jax_enable_x64:
         pytest.skip("needs int64 converted (copied) on its way to CPU devices")
-    monkeypatch.setattr(feeder, "_reuses_staging", lambda platform: True)
+    monkeypatch.setattr(_pipeline, "reuses_staging", lambda platform: True)
     SPARES.clear()
     src = [{"id": np.arange(i * 12, i * 12 + 12, dtype=np.int64)} for i in range(40)]  # 30 batches
     src += [{"id": np.arange(480, 485, dtype=np.int64)}, {"id": np.arange(485, 490, dtype=np.int64)}]  # + 10 rows
@@ -556,11 +556,11 @@ def test_staging_ring_is_reused_once_copies_finish(monkeypatch, pipeline):
     # (x64 off), so this column is copied too and held batches must stay intact. The synchronous
     # pipeline transfers several batches per call here: a ring that waited to be told which
     # transfer read a buffer was never told, and took fresh memory for every batch.
-    import rayslice.data.feeder as feeder
+    from rayslice.data import _pipeline
 
     if jax.config.jax_enable_x64:  # int64 would be aliased, not copied: not a platform with a ring
         pytest.skip("needs int64 converted (copied) on its way to CPU devices")
-    monkeypatch.setattr(feeder, "_reuses_staging", lambda platform: True)
+    monkeypatch.setattr(_pipeline, "reuses_staging", lambda platform: True)
     src = [{"id": np.arange(i * 12, i * 12 + 12, dtype=np.int64)} for i in range(40)]
     it = iter_jax_batches(src, batch_size=16, pipeline=pipeline, prefetch=2)
     held = list(it)
@@ -583,14 +583,14 @@ def test_views_of_a_registered_store_go_as_they_are_and_the_rest_through_pinned_
     import functools
     import mmap
 
-    from rayslice.data import _transfer, feeder
+    from rayslice.data import _pipeline, _transfer
     from rayslice.data._storepin import StorePinning
 
     registered = []
     store = StorePinning(
         register=lambda address, size, device: registered.append(size), accept=lambda m, maps: m.shared
     )
-    monkeypatch.setattr(feeder, "Transfers", functools.partial(feeder.Transfers, store=store))
+    monkeypatch.setattr(_pipeline, "Transfers", functools.partial(_pipeline.Transfers, store=store))
     paths = []
     real = _transfer.Transfers._put_columns
     monkeypatch.setattr(
@@ -779,12 +779,12 @@ def test_a_loop_that_raises_exits_with_its_error_while_the_prefetch_thread_runs(
 
 
 def test_the_exit_handler_stops_every_running_prefetch_thread():
-    import rayslice.data.feeder as feeder
+    from rayslice.data import _pipeline
 
     it = iter_jax_batches(blocks([40] * 20), batch_size=16, pipeline="thread", prefetch=2)
     next(it)
-    assert it._feeder in feeder._THREADED and it._thread.is_alive()
-    feeder._stop_threads()
+    assert it._feeder in _pipeline._THREADED and it._thread.is_alive()
+    _pipeline._stop_threads()
     assert not it._thread.is_alive()
     with pytest.raises(StopIteration):
         next(it)
