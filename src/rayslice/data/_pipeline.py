@@ -3,8 +3,9 @@
 :class:`Feeder` runs the steps of one stream (see :mod:`rayslice.data.feeder`
 for what a step does): it reads and prepares this host's batches, agrees on
 each step's rows with the other hosts, transfers the batch to the devices
-(in groups on CPU devices) and hands it over, from the consumer's ``next()``
-or from a prefetch thread. :func:`assembly` picks where a batch spanning
+(a few at once in one process under the synchronous pipeline on CPU
+devices) and hands it over, from the consumer's ``next()`` or from a
+prefetch thread. :func:`assembly` picks where a batch spanning
 source blocks is joined; a prefetch thread still running when the
 interpreter exits is stopped before JAX is torn down.
 
