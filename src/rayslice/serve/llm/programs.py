@@ -96,13 +96,15 @@ def collectives_spanning(hlo: str, group_of: list[int]) -> list[str]:
         ['%b']
         >>> collectives_spanning(hlo, [0, 0, 0, 0])
         []
+        >>> len(collectives_spanning("%c = f32[2] all-reduce(%x), replica_groups={}", [0, 1]))
+        1
     """
     out = []
     for line in hlo.splitlines():
         if not _COLLECTIVE.search(line):
             continue
         m = _GROUPS.search(line)
-        groups = _parse_groups(m.group(1), len(group_of)) if m else [list(range(len(group_of)))]
+        groups = _parse_groups(m.group(1) if m else "{}", len(group_of))
         if any(len({group_of[i] for i in g}) > 1 for g in groups):
             out.append(line.strip())
     return out
