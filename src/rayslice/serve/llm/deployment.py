@@ -40,6 +40,7 @@ import numpy as np
 
 from rayslice._validate import check_choice, check_float, check_int, check_optional, check_str, fail
 from rayslice.errors import describe
+from rayslice.serve.llm import _host
 from rayslice.serve.llm.engine import Engine, EngineConfig, EngineError
 from rayslice.serve.llm.model import LAYOUTS, LMConfig, mesh_shape, resolve_layout
 from rayslice.serve.llm.runner import Step, StepResult, merge_results
@@ -157,7 +158,6 @@ class SliceExecutor:
     def __init__(self, cfg: LLMConfig) -> None:
         from rayslice.gang import SliceGang
         from rayslice.placement import slice_placement_group
-        from rayslice.serve.llm import _host
 
         self.cfg = cfg
         self.gang: Any = None
@@ -208,8 +208,6 @@ class SliceExecutor:
         return [r for r in ranks if self._groups_of_rank[r] & groups] or ranks
 
     async def run(self, step: Step) -> StepResult:
-        from rayslice.serve.llm import _host
-
         if self.gang is None:
             raise EngineError("the slice was released")
         loop = asyncio.get_running_loop()
@@ -240,8 +238,6 @@ class SliceExecutor:
 
     def compiles(self) -> int:
         """Compilations on every host of the slice (fetched from the hosts)."""
-        from rayslice.serve.llm import _host
-
         if self.gang is None:
             return self._compiles
         try:
