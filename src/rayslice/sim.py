@@ -412,7 +412,7 @@ class SimulatedCluster:
         for host in hosts:
             if self._quiet is not None:
                 mates = [h.node_id for h in self._slices[host.slice_name].hosts if h is not host]
-                self._quiet.expect_death(host.node_id, _raylet_pid(host.node), slice_mates=mates)
+                self._quiet.expect_death(host.node_id, slice_mates=mates)
             # A preempted VM takes every process on it down at once: the node's own processes, and the
             # worker processes under its raylet (which would otherwise linger until they notice).
             workers = _descendants(_raylet_pid(host.node))
