@@ -158,7 +158,7 @@ class Feeder:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._produce, name="rayslice-feeder", daemon=True)
         if not self._finished and self.pipeline == "thread":
-            stopped_at_exit(self)
+            _stopped_at_exit(self)
             self._thread.start()
 
     # -- transfers ------------------------------------------------------
@@ -461,7 +461,7 @@ _THREADED: weakref.WeakSet[Feeder] = weakref.WeakSet()  # feeders whose prefetch
 _AT_EXIT = threading.Lock()
 
 
-def stopped_at_exit(feeder: Feeder) -> None:
+def _stopped_at_exit(feeder: Feeder) -> None:
     """Has the interpreter's exit stop ``feeder``'s prefetch thread before anything is torn down.
 
     A daemon thread still inside a JAX call when the interpreter finalizes
