@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from rayslice.data import FeederOptions, iter_jax_batches
 from rayslice.data._pieces import Pieces, device_spans
-from rayslice.data._pipeline import assembly
+from rayslice.data._pipeline import _assembly
 from rayslice.data._rebatch import host_batches
 from rayslice.errors import InvalidArgument
 
@@ -170,10 +170,10 @@ def test_a_stream_compiles_only_layouts_that_recur():
 
 
 def test_assemble_choices_and_their_checks():
-    assert assembly("auto", "tpu", pinned=False) == "device"  # measured there
-    assert assembly("auto", "gpu", pinned=False) == "host"  # not measured there yet
-    assert assembly("auto", "cpu", pinned=False) == "host" and assembly("auto", "tpu", pinned=True) == "host"
-    assert assembly("host", "tpu", pinned=False) == "host" and assembly("device", "cpu", pinned=False) == "device"
+    assert _assembly("auto", "tpu", pinned=False) == "device"  # measured there
+    assert _assembly("auto", "gpu", pinned=False) == "host"  # not measured there yet
+    assert _assembly("auto", "cpu", pinned=False) == "host" and _assembly("auto", "tpu", pinned=True) == "host"
+    assert _assembly("host", "tpu", pinned=False) == "host" and _assembly("device", "cpu", pinned=False) == "device"
     assert iter_jax_batches(blocks([4]), batch_size=4)._feeder.assemble == "host"  # CPU devices: aliased, no copy
     with pytest.raises(InvalidArgument, match=r"assemble='gpu' is not valid: expected one of"):
         FeederOptions(assemble="gpu")

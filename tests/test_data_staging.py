@@ -165,7 +165,7 @@ import jax, numpy as np
 from rayslice.data import _pipeline
 from rayslice.data import iter_jax_batches
 
-_pipeline.reuses_staging = lambda platform: True  # the accelerators' ring, its buffers kept between streams
+_pipeline._reuses_staging = lambda platform: True  # the accelerators' ring, its buffers kept between streams
 # int64 ids, converted (so copied) on their way to CPU devices, as on an accelerator; every batch spans blocks.
 src = [{"id": np.arange(i * 300, i * 300 + 300, dtype=np.int64)} for i in range(800)]
 step = jax.jit(lambda x: x + 1, donate_argnums=0)
@@ -301,7 +301,7 @@ def test_the_next_stream_writes_into_the_last_streams_staging_buffers(monkeypatc
 
     if jax.config.jax_enable_x64:  # int64 would be aliased, not copied: not a platform with a ring
         pytest.skip("needs int64 converted (copied) on its way to CPU devices")
-    monkeypatch.setattr(_pipeline, "reuses_staging", lambda platform: True)
+    monkeypatch.setattr(_pipeline, "_reuses_staging", lambda platform: True)
     SPARES.clear()
     src = [{"id": np.arange(i * 12, i * 12 + 12, dtype=np.int64)} for i in range(40)]
     first = iter_jax_batches(src, batch_size=16, pipeline="thread", prefetch=2)
@@ -326,7 +326,7 @@ def test_drop_stages_nothing_for_its_partial_batch_and_the_next_streams_fault_in
 
     if jax.config.jax_enable_x64:
         pytest.skip("needs int64 converted (copied) on its way to CPU devices")
-    monkeypatch.setattr(_pipeline, "reuses_staging", lambda platform: True)
+    monkeypatch.setattr(_pipeline, "_reuses_staging", lambda platform: True)
     SPARES.clear()
     src = [{"id": np.arange(i * 12, i * 12 + 12, dtype=np.int64)} for i in range(40)]  # 30 batches
     src += [{"id": np.arange(480, 485, dtype=np.int64)}, {"id": np.arange(485, 490, dtype=np.int64)}]  # + 10 rows
@@ -560,7 +560,7 @@ def test_staging_ring_is_reused_once_copies_finish(monkeypatch, pipeline):
 
     if jax.config.jax_enable_x64:  # int64 would be aliased, not copied: not a platform with a ring
         pytest.skip("needs int64 converted (copied) on its way to CPU devices")
-    monkeypatch.setattr(_pipeline, "reuses_staging", lambda platform: True)
+    monkeypatch.setattr(_pipeline, "_reuses_staging", lambda platform: True)
     src = [{"id": np.arange(i * 12, i * 12 + 12, dtype=np.int64)} for i in range(40)]
     it = iter_jax_batches(src, batch_size=16, pipeline=pipeline, prefetch=2)
     held = list(it)

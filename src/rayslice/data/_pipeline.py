@@ -5,7 +5,7 @@ for what a step does): it reads and prepares this host's batches, agrees on
 each step's rows with the other hosts, transfers the batch to the devices
 (a few at once in one process under the synchronous pipeline on CPU
 devices) and hands it over, from the consumer's ``next()`` or from a
-prefetch thread. :func:`assembly` picks where a batch spanning
+prefetch thread. :func:`_assembly` picks where a batch spanning
 source blocks is joined; a prefetch thread still running when the
 interpreter exits is stopped before JAX is torn down.
 
@@ -53,13 +53,13 @@ GROUP_MAX_BATCHES = 8
 GROUP_MAX_BYTES = 4 << 20
 
 
-def reuses_staging(platform: str) -> bool:
+def _reuses_staging(platform: str) -> bool:
     """Whether a device copy of a host buffer never aliases it: then host joins stage in a ring whose
     buffers go to the process's next streams (an aliased buffer lives as long as its batch)."""
     return platform != "cpu"
 
 
-def assembly(choice: str, platform: str, pinned: bool) -> str:
+def _assembly(choice: str, platform: str, pinned: bool) -> str:
     """Where a batch spanning source blocks is joined: ``"device"`` or ``"host"`` (``FeederOptions.assemble``).
 
     ``"auto"`` joins on the device on TPUs, where it was measured (one host copy
@@ -70,7 +70,7 @@ def assembly(choice: str, platform: str, pinned: bool) -> str:
     staged through pinned memory is staged whole.
 
     Example:
-        >>> assembly("auto", "tpu", False), assembly("auto", "cpu", False), assembly("auto", "tpu", True)
+        >>> _assembly("auto", "tpu", False), _assembly("auto", "cpu", False), _assembly("auto", "tpu", True)
         ('device', 'host', 'host')
     """
     if choice != "auto":
@@ -114,7 +114,7 @@ class Feeder:
             threads=o.transfer_threads,
             process_count=self.process_count,
             ring_depth=depth,
-            reuse_staging=reuses_staging(self.platform),
+            reuse_staging=_reuses_staging(self.platform),
         )
         self.pinned = self._transfers.pinned
         self.transfer_threads = self._transfers.threads
@@ -132,7 +132,7 @@ class Feeder:
         self._full_mask: Any = None
         self._source_done = False
         self._alloc = self._ring.alloc
-        self.assemble = assembly(o.assemble, self.platform, self.pinned is not None)
+        self.assemble = _assembly(o.assemble, self.platform, self.pinned is not None)
         self._source = host_batches(
             source,
             o.batch_size,
