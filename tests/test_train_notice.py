@@ -43,9 +43,11 @@ def test_agreement_holds_while_hosts_keep_stepping_concurrently():
     kv = MemoryKV()
     hosts = [NoticeAgreement(kv, "r/2", rank=r, world_size=3, agree_timeout_s=5).start() for r in range(3)]
     saved: dict[int, list[int]] = {r: [] for r in range(3)}
+    stepped = [0, 0, 0]
 
     def loop(rank: int) -> None:
         for step in range(1, 400):
+            stepped[rank] = step
             if hosts[rank].claim(step):
                 saved[rank].append(step)
                 return
@@ -54,7 +56,10 @@ def test_agreement_holds_while_hosts_keep_stepping_concurrently():
     threads = [threading.Thread(target=loop, args=(r,)) for r in range(3)]
     for t in threads:
         t.start()
-    time.sleep(0.05)
+    deadline = time.monotonic() + 10
+    while min(stepped) < 5 and time.monotonic() < deadline:  # the notice comes while every host is stepping
+        time.sleep(0.001)
+    assert min(stepped) >= 5, stepped
     hosts[2].announce("gce-preempted")
     hosts[0].announce("SIGTERM")  # a second notice changes nothing
     for t in threads:
