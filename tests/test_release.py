@@ -234,16 +234,17 @@ def _resolves(dotted: str) -> bool:
 def test_every_rayslice_name_the_docs_and_docstrings_mention_exists():
     # A renamed function left `rayslice.k8s.crd_dir()` in the CRDs' README and a moved class
     # `rayslice.gang.WarmPool` in docs/recovery.md; a reader who follows a name must find it.
-    pages = [ROOT / "README.md", *ROOT.joinpath("docs").rglob("*.md"), *ROOT.joinpath("src", "rayslice").rglob("*.md")]
-    code = [*ROOT.joinpath("src", "rayslice").rglob("*.py"), *ROOT.joinpath("benchmarks").rglob("*.py")]
+    src = ROOT / "src" / "rayslice"
+    pages = {f: f.read_text() for f in [ROOT / "README.md", *ROOT.joinpath("docs").rglob("*.md"), *src.rglob("*.md")]}
+    code = {f: f.read_text() for f in [*src.rglob("*.py"), *ROOT.joinpath("benchmarks").rglob("*.py")]}
     mention = re.compile(r"[`~](rayslice(?:\.[A-Za-z_]\w*)+)")
     named = {
-        (f.relative_to(ROOT).as_posix(), m.group(1)) for f in [*pages, *code] for m in mention.finditer(f.read_text())
+        (f.relative_to(ROOT).as_posix(), m.group(1)) for f, t in {**pages, **code}.items() for m in mention.finditer(t)
     }
     # The pages' code examples are not run, so their imports are checked here (Python checks the code's).
     imported = re.compile(r"^from (rayslice[\w.]*) import ([\w, ]+?)(?: as \w+)?$", re.MULTILINE)
-    for f in pages:
-        for m in imported.finditer(f.read_text()):
+    for f, text in pages.items():
+        for m in imported.finditer(text):
             named |= {(f.relative_to(ROOT).as_posix(), f"{m.group(1)}.{n.strip()}") for n in m.group(2).split(",")}
     assert len(named) > 50  # the scan sees the docs at all
     assert sorted((f, n) for f, n in named if not _resolves(n)) == []
