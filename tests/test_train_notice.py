@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rayslice import gang
+from rayslice._deadline import Deadline
 from rayslice.errors import InvalidArgument
 from rayslice.gang import _process
 from rayslice.train import AttemptEnd, FailureConfig
@@ -56,10 +57,9 @@ def test_agreement_holds_while_hosts_keep_stepping_concurrently():
     threads = [threading.Thread(target=loop, args=(r,)) for r in range(3)]
     for t in threads:
         t.start()
-    deadline = time.monotonic() + 10
-    while min(stepped) < 5 and time.monotonic() < deadline:  # the notice comes while every host is stepping
-        time.sleep(0.001)
-    assert min(stepped) >= 5, stepped
+    all_stepping = Deadline(10)  # the notice comes while every host is stepping
+    while min(stepped) < 5:
+        all_stepping.sleep_or_raise(0.001, f"not every host has stepped 5 times: {stepped}")
     hosts[2].announce("gce-preempted")
     hosts[0].announce("SIGTERM")  # a second notice changes nothing
     for t in threads:
